@@ -1,0 +1,198 @@
+"""Every server flag in one place (ServerArgs) and the model shape read from an HF config.json (ModelConfig)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _flag(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ServerArgs:
+    # Model and weights
+    model: str | None = _flag(None, "HF model directory (config.json + safetensors). Default: the SmolLM2 demo model.")
+    tokenizer: str | None = _flag(None, "Tokenizer directory (default: the model directory).")
+    served_model_name: str | None = _flag(None, "Model name reported by /v1/models (default: the directory name).")
+    load_format: str = _flag("auto", "auto|safetensors|dummy (random weights from config.json alone).",
+                             choices=["auto", "safetensors", "dummy"])
+    dtype: str = _flag("auto", "auto|float32|float16|bfloat16 (auto: bf16 on GPU, fp32 on CPU).",
+                       choices=["auto", "float32", "float16", "bfloat16"])
+    device: str = _flag("auto", "auto|cpu|cuda.", choices=["auto", "cpu", "cuda"])
+    context_length: int | None = _flag(None, "Override the model's max_position_embeddings.")
+    seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
+    # Parallelism
+    tp_size: int = _flag(1, "Tensor-parallel degree (one worker process per rank).")
+    nnodes: int = _flag(1, "Number of nodes for multi-node tensor parallelism.")
+    node_rank: int = _flag(0, "This node's rank among --nnodes.")
+    dist_init_addr: str | None = _flag(None, "host:port of the torch.distributed rendezvous (multi-node).")
+    # Memory
+    max_total_tokens: int | None = _flag(None, "KV cache size in tokens (default: from --mem-fraction-static on GPU, "
+                                               "16384 on CPU).")
+    mem_fraction_static: float = _flag(0.85, "Fraction of GPU memory for weights + KV cache.")
+    max_running_requests: int = _flag(256, "Most requests decoding at once (rows of req_to_token).")
+    # Scheduling
+    chunked_prefill_size: int | None = _flag(None, "Most new prompt tokens per step (default 8192 on GPU, 512 on CPU; "
+                                                   "-1 disables chunking).")
+    disable_mixed_batch: bool = _flag(False, "Do not mix prefill chunks with decodes in one forward.")
+    disable_radix_cache: bool = _flag(False, "No prefix reuse (ablation).")
+    schedule_policy: str = _flag("lpm", "lpm (longest cached prefix first) | fcfs.", choices=["lpm", "fcfs"])
+    max_wait_steps: int = _flag(64, "A waiting request older than this many steps goes first (no starvation).")
+    init_new_token_ratio: float = _flag(0.7, "Initial share of max_new_tokens reserved for decoding at admission.")
+    min_new_token_ratio: float = _flag(0.1, "Floor of that share as observed outputs let it shrink.")
+    new_token_ratio_decay: float = _flag(0.001, "How much the share shrinks per step without retraction.")
+    # Kernels
+    kernel_backend: str = _flag("auto", "auto|triton|reference (torch twins, for ablations).",
+                                choices=["auto", "triton", "reference"])
+    # HTTP
+    host: str = _flag("127.0.0.1", "Address to bind (loopback by default).")
+    port: int = _flag(30000, "HTTP port.")
+    api_key: str | None = _flag(None, "If set, every route but /health wants 'Authorization: Bearer <key>'.")
+    max_request_bytes: int = _flag(8 * 1024 * 1024, "Largest accepted request body (413 above).")
+    max_queued_requests: int = _flag(4096, "Most requests in flight before 503 + Retry-After.")
+    log_level: str = _flag("info", "Logging level.")
+
+    def __post_init__(self):
+        if self.tp_size < 1:
+            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_running_requests < 1:
+            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError(f"--max-total-tokens must be >= 2, got {self.max_total_tokens}")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
+            raise ValueError("--chunked-prefill-size must be positive or -1 (no chunking)")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port out of range: {self.port}")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device == "cuda" else torch.float32
+        return getattr(torch, self.dtype)
+
+    @property
+    def prefill_chunk_tokens(self) -> int:
+        """Most new tokens one step may compute; a huge number stands for 'no chunking'."""
+        if self.chunked_prefill_size is None:
+            return 8192 if self.device == "cuda" else 512
+        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else 1 << 60
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            help_text = meta.pop("help", "")
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=help_text)
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).split(" |")[0], str)
+            parser.add_argument(flag, type=kind, default=f.default, help=help_text, **meta)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class ModelConfig:
+    """The shape of a decoder-only model, read from an HF config.json."""
+
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    dtype: torch.dtype
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        model_dir = Path(model_dir)
+        path = model_dir / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {model_dir} (does it exist?)")
+        return cls.from_dict(json.loads(path.read_text()), model_dir)
+
+    @classmethod
+    def from_dict(cls, cfg: dict, model_dir: Path | None = None) -> "ModelConfig":
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("config.json names no 'architectures'")
+        heads = cfg["num_attention_heads"]
+        # transformers >= 5 nests rope_theta/rope_scaling under rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or {})
+        rope_theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
+        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
+            rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
+        eos = cfg.get("eos_token_id")
+        if model_dir is not None and (model_dir / "generation_config.json").is_file():
+            eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id", eos)
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+        return cls(
+            architecture=archs[0],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            dtype=getattr(torch, dtype_name) if isinstance(dtype_name, str) else torch.float32,
+            hidden_act=cfg.get("hidden_act", "silu"),
+        )
+
+    def check_tp(self, tp_size: int) -> None:
+        for name, n in (("attention heads", self.num_heads), ("intermediate size", self.intermediate_size)):
+            if n % tp_size:
+                raise ValueError(f"{name} ({n}) not divisible by --tp-size {tp_size}")
+        if self.num_kv_heads % tp_size and tp_size % self.num_kv_heads:
+            raise ValueError(f"KV heads ({self.num_kv_heads}) and --tp-size {tp_size} must divide one another")
+
+    def kv_heads_per_rank(self, tp_size: int) -> int:
+        # With more ranks than KV heads, each KV head is replicated on tp_size / num_kv_heads ranks.
+        return max(1, self.num_kv_heads // tp_size)
+
+    def context_len(self, override: int | None = None) -> int:
+        return override or self.max_position_embeddings
+
+
+def round_up(x: int, multiple: int) -> int:
+    return math.ceil(x / multiple) * multiple

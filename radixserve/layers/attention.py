@@ -1,0 +1,33 @@
+"""Paged attention over the token-granular KV cache: stores the new K/V into their slots, then attends through
+req_to_token (split-KV decode kernel for pure decode steps, the extend kernel otherwise)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+from radixserve.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Bound by the model runner once the KV cache is allocated.
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+        ctx = get_forward_context()
+        kernels.store_kv(k, v, self.k_cache, self.v_cache, ctx.out_cache_loc)
+        o = torch.empty_like(q)
+        if ctx.is_decode:
+            kernels.decode_attention(q, self.k_cache, self.v_cache, o, ctx.req_to_token, ctx.req_pool_indices,
+                                     ctx.seq_lens, self.scale, ctx.max_seq_len)
+        else:
+            kernels.extend_attention(q, k, v, o, self.k_cache, self.v_cache, ctx.req_to_token, ctx.req_pool_indices,
+                                     ctx.prefix_lens, ctx.extend_lens, ctx.extend_start_loc, self.scale,
+                                     ctx.max_extend_len)
+        return o

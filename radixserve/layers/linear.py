@@ -1,0 +1,107 @@
+"""Tensor-parallel linear layers. Each parameter carries a `weight_loader` that copies this rank's shard of a
+checkpoint tensor into it, so the loader never needs to know how a layer is sharded."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.distributed import all_reduce, get_tp_rank, get_tp_size
+from radixserve.loader import copy_whole_tensor
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by output rows: each rank computes a slice of y, no communication."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.output_size_per_rank = output_size // self.tp_size
+        self.weight = nn.Parameter(torch.empty(self.output_size_per_rank, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.output_size_per_rank), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = param.shape[0]
+        if loaded.shape[0] != n * self.tp_size:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} cannot be split into "
+                             f"{self.tp_size} shards of {tuple(param.shape)}")
+        copy_whole_tensor(param, loaded.narrow(0, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel matrices stacked into one GEMM (gate_proj + up_proj); shard_id picks the block."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        if loaded.shape[0] != size * self.tp_size:
+            raise ValueError(f"shape mismatch: checkpoint block {shard_id} has {loaded.shape[0]} rows, "
+                             f"expected {size * self.tp_size}")
+        block = param.data.narrow(0, offset, size)
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        if block.shape != shard.shape:
+            raise ValueError(f"shape mismatch: checkpoint shard {tuple(shard.shape)} vs {tuple(block.shape)}")
+        block.copy_(shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Q, K and V projections in one GEMM. With more ranks than KV heads, KV heads are replicated."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        tp_size = get_tp_size()
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp_size
+        self.num_kv_heads = max(1, num_kv_heads // tp_size)
+        self.kv_replicas = max(1, tp_size // num_kv_heads)
+        output = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, output, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
+        rank_block = self.tp_rank if shard_id == "q" else self.tp_rank // self.kv_replicas
+        shard = loaded.narrow(0, rank_block * size, size) if loaded.shape[0] >= (rank_block + 1) * size else loaded
+        block = param.data.narrow(0, offset, size)
+        if block.shape != shard.shape:
+            raise ValueError(f"shape mismatch: checkpoint {shard_id}_proj {tuple(loaded.shape)} vs expected shard "
+                             f"{tuple(block.shape)}")
+        block.copy_(shard)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by input columns: each rank holds a partial sum, all-reduced across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.input_size_per_rank = input_size // self.tp_size
+        self.weight = nn.Parameter(torch.empty(output_size, self.input_size_per_rank), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = copy_whole_tensor
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = param.shape[1]
+        if loaded.dim() != 2 or loaded.shape[1] != n * self.tp_size:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} cannot be split into "
+                             f"{self.tp_size} shards of {tuple(param.shape)}")
+        copy_whole_tensor(param, loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        # The bias is added after the reduction so that it counts once, not once per rank.
+        return y if self.bias is None else y + self.bias

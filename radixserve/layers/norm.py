@@ -1,0 +1,18 @@
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import kernels
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; given a residual it first adds it (fused) and returns the new residual too."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        return kernels.rmsnorm(x, self.weight, self.eps, residual)

@@ -1,0 +1,233 @@
+"""Incremental detokenization with stop strings, one instance per generated sequence.
+
+The scheduler sends token ids; clients want text, a piece at a time. Two things make this harder than
+`decode(new_ids)`:
+
+* Byte-level BPE tokens (GPT-2, Llama-3, Qwen) and SentencePiece byte-fallback tokens can end in the
+  middle of a UTF-8 character ("😀" may be three tokens). Decoding such a prefix yields U+FFFD. We keep
+  a small window of token ids: `prefix` tokens (already emitted, decoded only as context so that
+  tokenizers which strip a leading space see the same neighbourhood as a full decode) and `pending`
+  tokens (not yet emitted). Text is emitted only when the window's decode does not end in U+FFFD,
+  i.e. when the pending tokens end on a character boundary; the window then slides forward.
+  This is the prefix/read-offset scheme of vLLM and SGLang; every step decodes O(window) tokens.
+* Stop strings are matched on text, so one can span several tokens or start inside a token. Text that
+  could still become the start of a stop string is held back until it is known not to be, so a
+  streaming client never sees part of a stop string that ends up being cut.
+
+Semantics are those of feeding the final text one character at a time: generation stops at the first
+character that completes any stop string (ties: the one starting earliest). The concatenation of all
+`text` deltas (including `flush()`) equals `tokenizer.decode(output_ids)` cut at that stop string, for
+byte-level BPE and byte-fallback tokenizers (decode = UTF-8 with replacement, a prefix-consistent function).
+Decoding uses `clean_up_tokenization_spaces=False`: the clean-up rewrites " ." depending on what follows,
+which can never be streamed consistently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+# Prompt tokens decoded as context in front of the first generated token (vLLM uses the same number).
+# Enough for tokenizers whose decode of a token depends on its left neighbour.
+PROMPT_CONTEXT_TOKENS = 5
+
+# A UTF-8 character has at most 4 bytes and every byte-level token carries at least one byte, so an
+# incomplete trailing character lies within the last 3 tokens. When more tokens than that are pending
+# and the text still ends in U+FFFD, we look among the last few split points for one that is a stable
+# character boundary; without this a run of invalid bytes would grow the window without limit.
+MAX_INCOMPLETE_CHAR_TOKENS = 3
+
+
+@dataclass(frozen=True, slots=True)
+class DetokenizerDelta:
+    text: str  # new text the client may see now ("" when everything is held back)
+    stopped: bool  # a stop string was found: the sequence is finished, further tokens are ignored
+    matched_stop: str | None  # the stop string that ended the sequence
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, honouring stop strings.
+
+    `tokenizer` is anything with a HF-style `decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=...)`.
+    `prompt_ids` supplies left context only; it is never part of the output.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+        stop_strings: Iterable[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # Empty stop strings would match everywhere; duplicates only cost time.
+        self._stop_strings: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop_strings if s))
+        self._include_stop = include_stop_str_in_output
+
+        # Token window: window[:read] was emitted (context), window[read:] is pending.
+        context = _as_int_list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]
+        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
+            # A prompt ending inside a character: its tail cannot serve as clean context, and the
+            # output's first bytes then decode on their own, as `decode(output_ids)` does.
+            context = []
+        self._window: list[int] = context
+        self._read = len(context)
+        self._prefix_text: str | None = None  # cached decode(window[:read]); None = recompute
+
+        # Text that passed the UTF-8 stage but is held back as a possible stop-string start.
+        self._held = ""
+        self._pieces: list[str] = []  # everything emitted, for `output_text`
+        self._stopped = False
+        self._matched_stop: str | None = None
+        self._flushed = False
+
+    # ----------------------------------------------------------------------------------------- public
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    @property
+    def matched_stop(self) -> str | None:
+        return self._matched_stop
+
+    @property
+    def window_size(self) -> int:
+        """Token ids currently decoded per step (context + pending); stays small, see module doc."""
+        return len(self._window)
+
+    @property
+    def output_text(self) -> str:
+        """All text emitted so far (the concatenation of the deltas). O(length): not for every token."""
+        return "".join(self._pieces)
+
+    def add_tokens(self, new_ids: Sequence[int]) -> DetokenizerDelta:
+        """Feed newly generated token ids; returns the text that became safe to show."""
+        if self._stopped or self._flushed:
+            return self._delta("")
+        self._window.extend(_as_int_list(new_ids))
+        return self._emit(self._next_stable_text(), final=False)
+
+    def flush(self) -> DetokenizerDelta:
+        """End of generation for a reason other than a stop string: release everything held back,
+        including an incomplete trailing character (as U+FFFD, exactly as a full decode shows it)."""
+        if self._stopped or self._flushed:
+            return self._delta("")
+        self._flushed = True
+        text = self._decode(self._window)[len(self._prefix()) :]
+        self._window = []
+        self._read = 0
+        self._prefix_text = ""
+        return self._emit(text, final=True)
+
+    # ------------------------------------------------------------------------------ UTF-8 stage
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(
+            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
+        )
+
+    def _prefix(self) -> str:
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(self._window[: self._read])
+        return self._prefix_text
+
+    def _advance(self, new_read: int) -> None:
+        """Tokens up to `new_read` are emitted: the old pending start becomes the new context start."""
+        del self._window[: self._read]
+        self._read = new_read - self._read
+        self._prefix_text = None
+
+    def _next_stable_text(self) -> str:
+        """Text of pending tokens that can no longer change, advancing the window past it."""
+        prefix_text = self._prefix()
+        full_text = self._decode(self._window)
+        if not full_text.endswith(REPLACEMENT_CHAR):
+            if len(full_text) < len(prefix_text):
+                return ""  # decode not prefix-consistent at this point: wait for more tokens
+            # Also advance when nothing new is visible (skipped special tokens), so that a run of
+            # them cannot grow the window.
+            self._advance(len(self._window))
+            return full_text[len(prefix_text) :]
+
+        # Ends in U+FFFD: usually a character still being completed by the next tokens.
+        pending = len(self._window) - self._read
+        if pending <= MAX_INCOMPLETE_CHAR_TOKENS:
+            return ""
+        # Long run ending in U+FFFD (invalid bytes, or characters chained across tokens). A split point
+        # is a stable boundary when decoding both halves separately gives the same text as decoding
+        # them together: then the left half's bytes cannot combine with anything that follows.
+        lowest = max(self._read + 1, len(self._window) - MAX_INCOMPLETE_CHAR_TOKENS)
+        for split in range(len(self._window) - 1, lowest - 1, -1):
+            left_text = self._decode(self._window[:split])
+            if left_text + self._decode(self._window[split:]) == full_text:
+                if not left_text.startswith(prefix_text):
+                    return ""  # tokenizer not decoding prefix-consistently here: wait, stay correct
+                self._advance(split)
+                return left_text[len(prefix_text) :]
+        return ""
+
+    # ------------------------------------------------------------------------- stop-string stage
+
+    def _emit(self, new_text: str, final: bool) -> DetokenizerDelta:
+        if not self._stop_strings:
+            return self._delta(new_text)
+
+        # Invariant: `held` contains no complete stop string, and no stop string can start in text
+        # already emitted (such a start would have been a suffix we held back). So searching
+        # `held + new_text` is enough, and its length stays O(longest stop string + new text).
+        buffer = self._held + new_text
+        match = self._first_stop_match(buffer, search_from=max(0, len(self._held) - self._max_stop_len() + 1))
+        if match is not None:
+            start, stop = match
+            end = start + len(stop) if self._include_stop else start
+            self._held = ""
+            self._stopped = True
+            self._matched_stop = stop
+            return self._delta(buffer[:end])
+
+        hold = 0 if final else self._partial_stop_suffix_len(buffer)
+        self._held = buffer[len(buffer) - hold :] if hold else ""
+        return self._delta(buffer[: len(buffer) - hold])
+
+    def _max_stop_len(self) -> int:
+        return max(len(s) for s in self._stop_strings)
+
+    def _first_stop_match(self, buffer: str, search_from: int) -> tuple[int, str] | None:
+        """The stop occurrence that a character-by-character reader would complete first:
+        smallest end index, then smallest start index."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for stop in self._stop_strings:
+            start = buffer.find(stop, search_from)
+            if start < 0:
+                continue
+            candidate = (start + len(stop), start, stop)
+            if best is None or candidate[:2] < best[:2]:
+                best = candidate
+        return None if best is None else (best[1], best[2])
+
+    def _partial_stop_suffix_len(self, buffer: str) -> int:
+        """Length of the longest suffix of `buffer` that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self._stop_strings:
+            for length in range(min(len(stop) - 1, len(buffer)), longest, -1):
+                if buffer.endswith(stop[:length]):
+                    longest = length
+                    break
+        return longest
+
+    def _delta(self, text: str) -> DetokenizerDelta:
+        if text:
+            self._pieces.append(text)
+        return DetokenizerDelta(text=text, stopped=self._stopped, matched_stop=self._matched_stop)
+
+
+def _as_int_list(ids) -> list[int]:
+    # Token ids arrive as numpy int32 arrays from the scheduler socket; tokenizers want Python ints.
+    if hasattr(ids, "tolist"):
+        return ids.tolist()
+    return [int(i) for i in ids]
