@@ -81,3 +81,84 @@ class WorkerError(msgspec.Struct, tag=True):
 
 WorkerToScheduler = SampledTokens | WorkerReady | WorkerError
 SchedulerToWorker = ForwardBatch | Shutdown
+
+
+# ---------------------------------------------------------------- tokenizer <-> scheduler
+
+class TokenizedRequest(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: bytes  # int32 prompt tokens
+    params: SamplingParams
+    arrival_time: float
+
+
+class AbortRequest(msgspec.Struct, tag=True):
+    rid: str
+
+
+class FlushCacheRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+class ServerInfoRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+TokenizerToScheduler = TokenizedRequest | AbortRequest | FlushCacheRequest | ServerInfoRequest
+
+
+class RequestOutput(msgspec.Struct, array_like=True):
+    """What one request got in one step: new tokens, and on its last output why it ended."""
+    rid: str
+    token_ids: bytes  # int32 new tokens (usually one)
+    logprobs: list[TokenLogprobs]
+    finished: bool
+    finish_reason: str | None  # stop | length | abort | error
+    matched_stop_token: int | None
+    error: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    queue_time: float | None  # seconds from arrival to admission, on the first output only
+
+
+class SchedulerLoad(msgspec.Struct, array_like=True):
+    num_running: int
+    num_waiting: int
+    kv_slots_used: int  # owned by requests or locked in the tree
+    kv_slots_cached: int  # evictable cache
+    kv_slots_total: int
+
+
+class BatchOutput(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    load: SchedulerLoad
+
+
+class FlushCacheResult(msgspec.Struct, tag=True):
+    request_id: str
+    success: bool
+    message: str = ""
+
+
+class ServerInfo(msgspec.Struct, tag=True):
+    request_id: str
+    info: dict[str, int | float | str | bool | None]
+
+
+SchedulerToTokenizer = BatchOutput | FlushCacheResult | ServerInfo
+
+
+# ---------------------------------------------------------------- every child -> launch.py
+
+class ProcessReady(msgspec.Struct, tag=True):
+    name: str  # "scheduler", "worker-0", "tokenizer"
+    info: dict[str, int | float | str | bool | None] = {}
+
+
+class ProcessFailed(msgspec.Struct, tag=True):
+    name: str
+    message: str
+
+
+ChildToLauncher = ProcessReady | ProcessFailed

@@ -72,6 +72,15 @@ class ModelRunner:
             return self.args.max_total_tokens
         if self.device.type == "cpu":
             return CPU_DEFAULT_KV_TOKENS
+        slots = self._kv_slots_that_fit()
+        if get_tp_size() > 1:
+            # Ranks may have different free memory; all must agree on the smallest pool.
+            t = torch.tensor([slots], device=self.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
+            slots = int(t.item())
+        return slots
+
+    def _kv_slots_that_fit(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         used = total - free
         budget = int(total * self.args.mem_fraction_static) - used

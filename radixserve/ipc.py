@@ -1,0 +1,100 @@
+"""ZeroMQ endpoints between the processes (ipc:// sockets in a private 0700 directory) and typed send/receive of
+protocol Structs. Only msgspec msgpack goes over these sockets: decoding never runs code."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+T = TypeVar("T")
+
+
+def make_ipc_dir() -> str:
+    # mkdtemp creates the directory with mode 0700: other users cannot connect to our sockets.
+    path = tempfile.mkdtemp(prefix="radixserve-")
+    os.chmod(path, 0o700)
+    return path
+
+
+@dataclass(frozen=True)
+class Endpoints:
+    ipc_dir: str
+
+    def _at(self, name: str) -> str:
+        return f"ipc://{Path(self.ipc_dir) / name}"
+
+    @property
+    def tokenizer_to_scheduler(self) -> str:
+        return self._at("tokenizer_to_scheduler")
+
+    @property
+    def scheduler_to_tokenizer(self) -> str:
+        return self._at("scheduler_to_tokenizer")
+
+    def scheduler_to_worker(self, rank: int) -> str:
+        # One PUSH per rank rather than PUB/SUB: a PUSH queues until its peer connects, a PUB drops.
+        return self._at(f"scheduler_to_worker_{rank}")
+
+    @property
+    def workers_to_scheduler(self) -> str:
+        return self._at("workers_to_scheduler")
+
+    @property
+    def launcher(self) -> str:
+        return self._at("launcher")
+
+
+class Channel(Generic[T]):
+    """One ZeroMQ socket that sends and receives msgspec Structs of a given (union) type."""
+
+    def __init__(self, ctx: zmq.Context, kind: int, address: str, bind: bool, recv_type: Any = None):
+        self.socket = ctx.socket(kind)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        if kind == zmq.SUB:
+            self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        if kind in (zmq.PUSH, zmq.PUB):
+            self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a message
+        if kind in (zmq.PULL, zmq.SUB):
+            self.socket.setsockopt(zmq.RCVHWM, 0)
+        (self.socket.bind if bind else self.socket.connect)(address)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(recv_type) if recv_type is not None else None
+
+    def send(self, message) -> None:
+        self.socket.send(self._encoder.encode(message), copy=False)
+
+    def recv(self, timeout_ms: int | None = None):
+        """Next message, or None after timeout_ms without one."""
+        if timeout_ms is not None and not self.socket.poll(timeout_ms):
+            return None
+        return self._decoder.decode(self.socket.recv(copy=False).buffer)
+
+    def recv_nowait(self):
+        try:
+            return self._decoder.decode(self.socket.recv(flags=zmq.NOBLOCK, copy=False).buffer)
+        except zmq.Again:
+            return None
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+
+
+class AsyncChannel(Channel[T]):
+    """The same over zmq.asyncio, for the HTTP process's event loop."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, kind: int, address: str, bind: bool, recv_type: Any = None):
+        super().__init__(ctx, kind, address, bind, recv_type)
+
+    async def send_async(self, message) -> None:
+        await self.socket.send(self._encoder.encode(message), copy=False)
+
+    async def recv_async(self):
+        frame = await self.socket.recv(copy=False)
+        return self._decoder.decode(frame.buffer)

@@ -1,0 +1,5 @@
+from radixserve.process_util import run_child
+from scheduler_service.process import run_scheduler
+
+if __name__ == "__main__":
+    run_child("scheduler", run_scheduler)
