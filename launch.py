@@ -140,8 +140,11 @@ class Launcher:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="radixserve: an LLM server with a radix prefix cache")
     ServerArgs.add_cli_args(parser)
-    args = ServerArgs.from_cli_args(parser.parse_args(argv))
-    launcher = Launcher(args)
+    try:
+        args = ServerArgs.from_cli_args(parser.parse_args(argv))
+        launcher = Launcher(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        parser.error(str(e))  # exits 2 with the message, no traceback
 
     def request_stop(signum, frame):
         launcher.stop_requested = True
