@@ -1,0 +1,95 @@
+"""Start `python launch.py` as a real subprocess (real sockets, real child processes) for end-to-end tests.
+
+Test modules define a module-scoped fixture around `launched_server(...)`. The server runs the tiny random Llama on
+the CPU; its output goes to a log file that is printed when startup fails or a test needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT_S = 180
+STOP_TIMEOUT_S = 15
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_pytest() -> None:
+    # If pytest is killed, launch.py must not outlive it (its own children die with it in turn).
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class LaunchedServer:
+    def __init__(self, model_dir: str | Path, *flags: str):
+        self.model_dir = str(model_dir)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.flags = flags
+        self._log = tempfile.NamedTemporaryFile(prefix="radixserve-test-", suffix=".log", delete=False)
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def openai_base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def log(self) -> str:
+        return Path(self._log.name).read_text(errors="replace")
+
+    def start(self) -> "LaunchedServer":
+        cmd = [sys.executable, "launch.py", "--model", self.model_dir, "--device", "cpu", "--port", str(self.port),
+               *self.flags]
+        self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                        preexec_fn=_die_with_pytest)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"launch.py exited with {self.process.returncode} during startup:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S} s:\n{self.log()}")
+
+    def stop(self) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise RuntimeError(f"launch.py did not stop within {STOP_TIMEOUT_S} s of SIGTERM:\n{self.log()}")
+        finally:
+            self._log.close()
+
+
+@contextlib.contextmanager
+def launched_server(model_dir: str | Path, *flags: str):
+    server = LaunchedServer(model_dir, *flags).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+        with contextlib.suppress(OSError):
+            os.unlink(server._log.name)

@@ -1,0 +1,79 @@
+"""Prometheus metrics of the HTTP front end, served on GET /metrics.
+
+Latencies are measured here, where the client's clock runs: time to first token and end-to-end latency start when
+the HTTP request was parsed, so they include tokenization and the trip through the scheduler queue. Scheduler-side
+numbers (queue time, running / waiting requests, KV usage) arrive with every BatchOutput and are mirrored here.
+
+Each server owns its own CollectorRegistry rather than prometheus-client's global one, so that several apps can
+live in one Python process (tests) without "duplicated timeseries" errors.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
+
+from radixserve.protocol import SchedulerLoad
+
+PREFIX = "radixserve:"
+
+# Buckets spanning a fast GPU decode step (ms) to a long CPU prefill (tens of seconds).
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = {"model_name": model_name}
+        r = self.registry
+
+        def histogram(name, doc, buckets):
+            return Histogram(PREFIX + name, doc, list(labels), buckets=buckets, registry=r).labels(**labels)
+
+        def counter(name, doc):
+            return Counter(PREFIX + name, doc, list(labels), registry=r).labels(**labels)
+
+        def gauge(name, doc):
+            return Gauge(PREFIX + name, doc, list(labels), registry=r).labels(**labels)
+
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "From request receipt to the first generated token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Between consecutive generated tokens of one sequence.", ITL_BUCKETS)
+        self.e2e_latency = histogram(
+            "e2e_request_latency_seconds", "From request receipt to the last token of a sequence.", E2E_BUCKETS)
+        self.queue_time = histogram(
+            "queue_time_seconds", "Time a sequence waited in the scheduler before admission.", QUEUE_BUCKETS)
+
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted sequences.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens delivered to clients.")
+        self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the radix cache.")
+        self._finished = Counter(PREFIX + "requests_finished", "Finished sequences by finish reason.",
+                                 ["model_name", "finish_reason"], registry=r)
+        self._model_name = model_name
+
+        self.num_requests_in_flight = gauge("num_requests_in_flight",
+                                            "Sequences submitted by the HTTP front end and not finished.")
+        self.num_running = gauge("num_running_reqs", "Sequences holding KV in the scheduler (decoding or prefilling).")
+        self.num_waiting = gauge("num_waiting_reqs", "Sequences queued in the scheduler.")
+        self.kv_slots_used = gauge("kv_slots_used", "KV slots owned by running sequences or locked in the cache.")
+        self.kv_slots_cached = gauge("kv_slots_cached", "KV slots holding evictable cached prefixes.")
+        self.kv_slots_total = gauge("kv_slots_total", "KV slots in the pool.")
+        self.kv_cache_usage = gauge("kv_cache_usage_perc", "Share of KV slots in use by requests (0..1).")
+
+    def observe_finish(self, finish_reason: str) -> None:
+        self._finished.labels(model_name=self._model_name, finish_reason=finish_reason).inc()
+
+    def update_load(self, load: SchedulerLoad) -> None:
+        self.num_running.set(load.num_running)
+        self.num_waiting.set(load.num_waiting)
+        self.kv_slots_used.set(load.kv_slots_used)
+        self.kv_slots_cached.set(load.kv_slots_cached)
+        self.kv_slots_total.set(load.kv_slots_total)
+        self.kv_cache_usage.set(load.kv_slots_used / load.kv_slots_total if load.kv_slots_total else 0.0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

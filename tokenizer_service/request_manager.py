@@ -1,0 +1,403 @@
+"""Requests in flight between the HTTP handlers and the scheduler process.
+
+One HTTP request becomes a RequestGroup of sequences: one per prompt and per choice (n), each a separate scheduler
+request with rid f"{request_id}-{index}". A background task receives BatchOutputs from the scheduler, turns each
+RequestOutput into text (incremental detokenization, stop strings) and puts a SequenceOutput into its group's queue,
+where the HTTP handler (streaming or not) picks it up.
+
+Stop strings are matched here, on text: when one completes, the sequence is finished for the client at once and an
+AbortRequest frees it in the scheduler (which never sees stop strings). A client that disconnects gets the same
+treatment. Outputs that arrive for a sequence already finished here are dropped.
+
+Sends never block: the PUSH socket has no high-water mark and is connected (ZeroMQ queues for a peer that is not up
+yet), so a send on the zmq.asyncio socket completes immediately and the returned future can be ignored. That lets
+abort() be a plain function, callable from disconnect callbacks and finally blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from radixserve.ipc import AsyncChannel, Endpoints
+from radixserve.protocol import (AbortRequest, BatchOutput, FlushCacheRequest, FlushCacheResult, RequestOutput,
+                                 SchedulerLoad, SchedulerToTokenizer, ServerInfo, ServerInfoRequest,
+                                 TokenizedRequest, TokenLogprobs, pack_i32, unpack_i32)
+from radixserve.sampling import SamplingParams
+from tokenizer_service.detokenizer import IncrementalDetokenizer
+from tokenizer_service.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+# /health answers from memory when the scheduler spoke this recently, else it pings and waits this long.
+HEALTH_FRESH_S = 1.0
+HEALTH_TIMEOUT_S = 5.0
+# With sequences in flight and the scheduler silent, ping it after STALL_PING_S; after ENGINE_DEAD_S without any
+# message, fail every sequence in flight rather than let clients hang on an engine that is gone. A CPU step of a
+# small model takes well under a second; the margin is for a long chunked prefill of a bigger model.
+STALL_PING_S = 2.0
+ENGINE_DEAD_S = 60.0
+
+
+class EngineOverloaded(Exception):
+    """More sequences in flight than --max-queued-requests allows (HTTP 503 + Retry-After)."""
+
+
+class EngineUnavailable(Exception):
+    """The server is shutting down or the engine stopped answering (HTTP 503)."""
+
+
+@dataclass
+class SequenceOutput:
+    """What one choice produced since the previous output: new text and tokens, and on the last one how it ended."""
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]  # one per token of token_ids when the client asked for logprobs, else empty
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended the sequence
+    error: str | None = None
+    error_status: int = 500  # HTTP status for `error`
+
+
+@dataclass
+class Sequence:
+    """One scheduler request: one choice of one prompt."""
+    rid: str
+    index: int  # choice index in the response: prompt_number * n + sample_number
+    prompt_index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    group: "RequestGroup"
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    admitted: bool = False  # the scheduler sent its first output
+    finished: bool = False
+    arrival: float = 0.0  # time.monotonic() when the HTTP request arrived
+    last_token_at: float | None = None
+
+
+@dataclass
+class SequenceResult:
+    """Everything one choice produced, for non-streaming responses."""
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: int | str | None = None
+    error: str | None = None
+    error_status: int = 500
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class RequestGroup:
+    """The sequences of one HTTP request and the queue their outputs arrive on."""
+
+    def __init__(self, request_id: str, manager: "RequestManager"):
+        self.request_id = request_id
+        self.sequences: list[Sequence] = []
+        self._manager = manager
+        self._queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
+        self._unfinished = 0
+
+    @property
+    def finished(self) -> bool:
+        return self._unfinished == 0
+
+    def add(self, seq: Sequence) -> None:
+        self.sequences.append(seq)
+        self._unfinished += 1
+
+    def deliver(self, output: SequenceOutput) -> None:
+        """Called by the RequestManager for each output of one of our sequences; the last one has finished=True."""
+        if output.finished:
+            self._unfinished -= 1
+        self._queue.put_nowait(output)
+
+    async def stream(self) -> AsyncIterator[list[SequenceOutput]]:
+        """Outputs as they come, everything already queued at each wake-up in one list (a client reading slower
+        than tokens arrive gets bigger chunks, not a growing backlog), until every sequence has finished."""
+        delivered_finished = 0
+        while delivered_finished < len(self.sequences):
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            delivered_finished += sum(o.finished for o in batch)
+            yield batch
+
+    async def collect(self) -> list[SequenceResult]:
+        """Wait for every sequence to finish; results in choice order."""
+        results = {s.index: SequenceResult(s.index) for s in self.sequences}
+        async for batch in self.stream():
+            for out in batch:
+                result = results[out.index]
+                result.text += out.text
+                result.token_ids += out.token_ids
+                result.logprobs += out.logprobs
+                if out.finished:
+                    result.finish_reason, result.matched_stop = out.finish_reason, out.matched_stop
+                    result.error, result.error_status = out.error, out.error_status
+        return [results[i] for i in sorted(results)]
+
+    def usage(self) -> Usage:
+        """Prompt tokens count once per prompt however many choices share it (as OpenAI counts them); cached
+        tokens are the fewest any choice of that prompt found in the cache."""
+        prompt_tokens, cached_tokens = 0, 0
+        for prompt_index in sorted({s.prompt_index for s in self.sequences}):
+            same_prompt = [s for s in self.sequences if s.prompt_index == prompt_index]
+            prompt_tokens += len(same_prompt[0].prompt_ids)
+            cached_tokens += min(s.cached_tokens for s in same_prompt)
+        return Usage(prompt_tokens, sum(s.completion_tokens for s in self.sequences), cached_tokens)
+
+    def abort(self) -> None:
+        """Stop every unfinished sequence (client gone, handler failed); a no-op once all have finished."""
+        self._manager.abort_group(self)
+
+
+class RequestManager:
+    def __init__(self, tokenizer, endpoints: Endpoints, metrics: ServerMetrics, max_in_flight: int,
+                 engine_dead_s: float = ENGINE_DEAD_S):
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_in_flight = max_in_flight
+        self.engine_dead_s = engine_dead_s
+        self._endpoints = endpoints
+        self._sequences: dict[str, Sequence] = {}
+        self._replies: dict[str, asyncio.Future] = {}  # request_id -> future of FlushCacheResult / ServerInfo
+        self._tasks: list[asyncio.Task] = []
+        self._closing = False
+        self.last_heard = time.monotonic()  # last message from the scheduler (or our start, for the watchdog)
+        self.heard_from_scheduler = False
+        self.latest_load: SchedulerLoad | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Bind and connect the scheduler sockets and start the receive loop (inside the running event loop)."""
+        self._ctx = zmq.asyncio.Context()
+        self._to_scheduler = AsyncChannel(self._ctx, zmq.PUSH, self._endpoints.tokenizer_to_scheduler, bind=False)
+        self._from_scheduler = AsyncChannel(self._ctx, zmq.PULL, self._endpoints.scheduler_to_tokenizer, bind=True,
+                                            recv_type=SchedulerToTokenizer)
+        self._tasks = [asyncio.create_task(self._receive_loop(), name="scheduler-receive"),
+                       asyncio.create_task(self._watchdog(), name="scheduler-watchdog")]
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and end the ones in flight with an error, so that no client waits on an engine
+        that is about to go away (launch.py stops the tokenizer first)."""
+        self._closing = True
+        self.fail_all("The server is shutting down", status=503)
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._to_scheduler.close()
+        self._from_scheduler.close()
+        self._ctx.term()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sequences)
+
+    # ------------------------------------------------------------------ submitting and aborting
+    def submit(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]], n: int = 1,
+               arrival: float | None = None) -> RequestGroup:
+        """Send n sequences per prompt to the scheduler. With a seed, choice j samples with seed + j so that the
+        n choices differ (one seed for all would give n identical samples)."""
+        if self._closing:
+            raise EngineUnavailable("The server is shutting down")
+        wanted = len(prompts) * n
+        if self.num_in_flight + wanted > self.max_in_flight:
+            raise EngineOverloaded(
+                f"The server is overloaded: {self.num_in_flight} sequences in flight and this request adds "
+                f"{wanted}, above the limit of {self.max_in_flight} (--max-queued-requests). Retry later.")
+        arrival = time.monotonic() if arrival is None else arrival
+        wall_arrival = time.time() - (time.monotonic() - arrival)
+        group = RequestGroup(request_id, self)
+        for prompt_index, (prompt_ids, params) in enumerate(prompts):
+            for sample in range(n):
+                if sample and params.seed is not None:
+                    params_j = msgspec.structs.replace(params, seed=params.seed + sample)
+                else:
+                    params_j = params
+                index = prompt_index * n + sample
+                detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params_j.skip_special_tokens,
+                                                     params_j.stop, params_j.include_stop_str_in_output)
+                seq = Sequence(f"{request_id}-{index}", index, prompt_index, prompt_ids, params_j, detokenizer, group,
+                               arrival=arrival)
+                group.add(seq)
+        for seq in group.sequences:
+            self._sequences[seq.rid] = seq
+            self._to_scheduler.send(TokenizedRequest(seq.rid, pack_i32(seq.prompt_ids), seq.params, wall_arrival))
+        self.metrics.num_requests_in_flight.set(self.num_in_flight)
+        return group
+
+    def abort_group(self, group: RequestGroup) -> None:
+        for seq in group.sequences:
+            if not seq.finished:
+                self._end_locally(seq, SequenceOutput(seq.index, "", [], [], finished=True, finish_reason="abort"))
+
+    def fail_all(self, message: str, status: int = 503) -> None:
+        for seq in list(self._sequences.values()):
+            self._end_locally(seq, SequenceOutput(seq.index, "", [], [], finished=True, finish_reason="error",
+                                                  error=message, error_status=status))
+
+    def _end_locally(self, seq: Sequence, final: SequenceOutput) -> None:
+        """Finish a sequence here and tell the scheduler to drop it (free its KV without caching it)."""
+        self._to_scheduler.send(AbortRequest(seq.rid))
+        self._finish(seq, final)
+
+    def _finish(self, seq: Sequence, final: SequenceOutput) -> None:
+        seq.finished = True
+        self._sequences.pop(seq.rid, None)
+        self.metrics.num_requests_in_flight.set(self.num_in_flight)
+        self.metrics.observe_finish(final.finish_reason or "unknown")
+        if final.finish_reason in ("stop", "length"):
+            self.metrics.e2e_latency.observe(time.monotonic() - seq.arrival)
+        seq.group.deliver(final)
+
+    # ------------------------------------------------------------------ scheduler replies
+    async def _receive_loop(self) -> None:
+        while True:
+            message = await self._from_scheduler.recv_async()
+            self.last_heard = time.monotonic()
+            self.heard_from_scheduler = True
+            try:
+                if isinstance(message, BatchOutput):
+                    self._on_batch(message)
+                elif isinstance(message, (FlushCacheResult, ServerInfo)):
+                    future = self._replies.pop(message.request_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(message)
+            except Exception:  # noqa: BLE001 - one bad message must not stop every request's outputs
+                logger.exception("failed to handle %s from the scheduler", type(message).__name__)
+
+    def _on_batch(self, batch: BatchOutput) -> None:
+        self.latest_load = batch.load
+        self.metrics.update_load(batch.load)
+        now = time.monotonic()
+        for out in batch.outputs:
+            seq = self._sequences.get(out.rid)
+            if seq is None:
+                continue  # finished here already (stop string, disconnect); the scheduler's late outputs are moot
+            try:
+                self._on_output(seq, out, now)
+            except Exception as e:  # noqa: BLE001 - e.g. a tokenizer failing on one sequence: fail just that one
+                logger.exception("failed to process output of %s", out.rid)
+                self._end_locally(seq, SequenceOutput(seq.index, "", [], [], finished=True, finish_reason="error",
+                                                      error=f"internal error while detokenizing: {e}"))
+
+    def _on_output(self, seq: Sequence, out: RequestOutput, now: float) -> None:
+        m = self.metrics
+        if not seq.admitted and (out.token_ids or not out.finished):
+            seq.admitted = True
+            seq.cached_tokens = out.cached_tokens
+            m.prompt_tokens.inc(len(seq.prompt_ids))
+            m.cached_tokens.inc(out.cached_tokens)
+            if out.queue_time is not None:
+                m.queue_time.observe(out.queue_time)
+        token_ids = unpack_i32(out.token_ids).tolist()
+        output = SequenceOutput(seq.index, "", token_ids,
+                                list(out.logprobs) if seq.params.logprobs is not None else [])
+        if token_ids:
+            if seq.last_token_at is None:
+                m.time_to_first_token.observe(now - seq.arrival)
+            else:
+                m.inter_token_latency.observe(now - seq.last_token_at)
+            seq.last_token_at = now
+            seq.completion_tokens += len(token_ids)
+            m.generation_tokens.inc(len(token_ids))
+            visible = token_ids
+            if (out.finished and out.finish_reason == "stop" and out.matched_stop_token is not None
+                    and token_ids[-1] == out.matched_stop_token and not seq.params.include_stop_str_in_output):
+                # As vLLM: a stop token (EOS or stop_token_ids) ends the text without being part of it, though
+                # it counts as a completion token.
+                visible = token_ids[:-1]
+            delta = seq.detokenizer.add_tokens(visible)
+            output.text = delta.text
+            if delta.stopped:
+                output.finished, output.finish_reason, output.matched_stop = True, "stop", delta.matched_stop
+                if out.finished:
+                    self._finish(seq, output)  # the scheduler has let go of it already
+                else:
+                    self._end_locally(seq, output)
+                return
+        if not out.finished:
+            seq.group.deliver(output)
+            return
+        output.finished, output.finish_reason = True, out.finish_reason
+        if out.finish_reason in ("stop", "length"):
+            output.text += seq.detokenizer.flush().text
+            output.matched_stop = out.matched_stop_token
+        elif out.finish_reason == "error":
+            output.error = out.error or "the scheduler failed this request"
+            # A request the scheduler refused before generating anything is the request's fault (too long for
+            # the KV cache, ...); a failure midway is ours.
+            output.error_status = 400 if seq.completion_tokens == 0 else 500
+        else:  # "abort": we never asked for it, so the engine dropped the request
+            output.finish_reason = "error"
+            output.error = out.error or "the engine aborted this request"
+            output.error_status = 503
+        self._finish(seq, output)
+
+    # ------------------------------------------------------------------ control requests
+    async def _ask(self, message_type, timeout: float):
+        request_id = uuid.uuid4().hex
+        future = asyncio.get_running_loop().create_future()
+        self._replies[request_id] = future
+        try:
+            self._to_scheduler.send(message_type(request_id))
+            return await asyncio.wait_for(future, timeout)
+        finally:
+            self._replies.pop(request_id, None)
+
+    async def server_info(self, timeout: float = HEALTH_TIMEOUT_S) -> dict:
+        """The scheduler's own numbers (num_running, num_waiting, kv_invariant_ok, kv_* ...). TimeoutError if
+        it does not answer in time."""
+        reply: ServerInfo = await self._ask(ServerInfoRequest, timeout)
+        return dict(reply.info)
+
+    async def flush_cache(self, timeout: float = HEALTH_TIMEOUT_S) -> FlushCacheResult:
+        return await self._ask(FlushCacheRequest, timeout)
+
+    async def is_healthy(self) -> bool:
+        if self._closing:
+            return False
+        if self.heard_from_scheduler and time.monotonic() - self.last_heard < HEALTH_FRESH_S:
+            return True
+        try:
+            await self.server_info(HEALTH_TIMEOUT_S)
+            return True
+        except (TimeoutError, asyncio.TimeoutError):
+            return False
+
+    async def _watchdog(self) -> None:
+        """Ping a silent scheduler while sequences wait on it; fail them if it stays silent too long."""
+        while True:
+            await asyncio.sleep(min(1.0, STALL_PING_S / 2))
+            if not self._sequences:
+                continue
+            silence = time.monotonic() - self.last_heard
+            if silence > self.engine_dead_s:
+                logger.error("no message from the scheduler for %.0f s; failing %d sequences", silence,
+                             len(self._sequences))
+                self.fail_all(f"The engine stopped responding (no message from the scheduler for {silence:.0f} s)")
+            elif silence > STALL_PING_S:
+                # Any reply counts as a sign of life (it updates last_heard); nobody waits on this one.
+                self._to_scheduler.send(ServerInfoRequest(f"watchdog-{uuid.uuid4().hex}"))

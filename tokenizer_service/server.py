@@ -1,0 +1,99 @@
+"""The tokenizer process: loads the tokenizer, connects to the scheduler, serves HTTP with uvicorn on uvloop until
+SIGTERM / SIGINT.
+
+Shutdown order matters: on a signal, requests in flight are ended with a 503-style error first (their streams
+close), then uvicorn stops listening and closes idle connections. Without that, uvicorn's graceful shutdown would
+wait for streams whose engine is going away. We install our own signal handlers (uvicorn's re-raise the signal
+after serving, which would kill the process instead of letting serve() return).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Callable
+
+import uvicorn
+import uvloop
+
+from radixserve.config import ModelConfig, ServerArgs
+from radixserve.engine import load_tokenizer
+from radixserve.ipc import Endpoints
+from tokenizer_service.app import ServingContext, build_app
+from tokenizer_service.metrics import ServerMetrics
+from tokenizer_service.request_manager import RequestManager
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 3  # connections still open after this are closed by force
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield  # signals are handled by serve() below
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready: Callable[[dict], None]) -> None:
+    """Build everything, listen on args.host:args.port, call on_ready({"url": ...}) once accepting connections, and
+    return after SIGTERM / SIGINT."""
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(_serve(args, model_dir, endpoints, on_ready))
+
+
+async def _serve(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready: Callable[[dict], None]) -> None:
+    model_config = ModelConfig.from_dir(model_dir)
+    tokenizer = load_tokenizer(args.tokenizer or model_dir)
+    model_name = args.served_model_name or Path(model_dir).name
+    metrics = ServerMetrics(model_name)
+    manager = RequestManager(tokenizer, endpoints, metrics, max_in_flight=args.max_queued_requests)
+    ctx = ServingContext(args=args, model_dir=str(model_dir), model_name=model_name, model_config=model_config,
+                         context_len=model_config.context_len(args.context_length), tokenizer=tokenizer,
+                         manager=manager, metrics=metrics, started_at=int(time.time()))
+    app = build_app(ctx)
+    config = uvicorn.Config(app, lifespan="off", access_log=False, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=30)
+    server = _Server(config)
+    sock = _bind(args.host, args.port)
+
+    def stop(signum: int) -> None:
+        logger.info("received %s: shutting down", signal.Signals(signum).name)
+        manager.begin_shutdown()
+        server.should_exit = True
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop, signum)
+
+    manager.start()
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            if serving.done():
+                serving.result()  # startup failed: raise its error
+                raise RuntimeError("uvicorn stopped before it started listening")
+            await asyncio.sleep(0.01)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        url = f"http://{host}:{sock.getsockname()[1]}"
+        logger.info("HTTP server listening on %s (model %s)", url, model_name)
+        on_ready({"url": url})
+        await serving
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+        await manager.close()
+        sock.close()
