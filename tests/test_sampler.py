@@ -37,7 +37,7 @@ def test_temperature_one_follows_the_distribution():
 
 
 def test_low_temperature_sharpens():
-    assert draw(temperature=0.3)[0] > 0.8
+    assert draw(temperature=0.2)[0] > 0.85  # 0.4^5 / sum(p^5) = 0.906
 
 
 def test_top_k_keeps_only_k_tokens():

@@ -1,0 +1,293 @@
+"""Correctness of the Triton kernels against their torch references.
+
+    python bench/check_kernels_gpu.py                       # full set on the GPU (lengths up to 4,100, batch up to 256)
+    python bench/check_kernels_gpu.py --out bench/results/kernels-check-h100.md
+    python bench/check_kernels_gpu.py --interpret --small   # CPU, TRITON_INTERPRET=1 (what CI runs)
+
+Every case draws fresh random inputs (never zeros), scatters the KV slots at random over a cache
+larger than needed, fills the unused part of req_to_token with plausible-but-wrong slots, and
+poisons outputs with NaN before the kernel runs. Error is ||out - ref|| / ||ref|| with the reference
+computed in fp32 (fp32 output buffer) from the same inputs. Exit status 1 if any case fails.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Run as a script, bench/ comes first on sys.path and bench/kernels.py would shadow the kernels package.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
+sys.path.insert(0, ROOT)
+
+TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
+ELEMENTWISE_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
+
+
+def make_paged_batch(torch, prefix_lens, extend_lens, num_q_heads, num_kv_heads, head_dim, dtype, device,
+                     generator=None, table_width=None, spare_slots=64):
+    """A batch of requests whose prefixes already sit in a KV cache at scattered slots.
+
+    Returns a dict with q/k/v of the new tokens, the caches (new tokens stored too, as the model runner
+    does before attention), the table and the per-request int32 vectors of the extend/decode APIs.
+    """
+    g = generator
+    bsz = len(prefix_lens)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    total_new = sum(extend_lens)
+    num_slots = sum(seq_lens) + spare_slots
+    width = table_width or max(seq_lens) + 7
+    num_rows = bsz + 3
+
+    # Draw the big tensors on their device (a 1 GiB cache drawn on the host takes seconds), from a
+    # device generator seeded by the caller's so that a run is reproducible.
+    dev_gen = torch.Generator(device=device)
+    dev_gen.manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=g)))
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=dev_gen, device=device).to(dtype)
+
+    k_cache = randn(num_slots, num_kv_heads, head_dim)
+    v_cache = randn(num_slots, num_kv_heads, head_dim)
+    # Unused table entries point at real but wrong slots: a kernel that reads past a length gets
+    # plausible garbage and a wrong answer rather than a crash that hides which case broke.
+    req_to_token = torch.randint(0, num_slots, (num_rows, width), generator=g, dtype=torch.int32)
+    pool_rows = torch.randperm(num_rows, generator=g)[:bsz].to(torch.int32)
+    slots = torch.randperm(num_slots, generator=g).to(torch.int32)
+    cursor = 0
+    new_slots = []
+    for i in range(bsz):
+        n = seq_lens[i]
+        req_to_token[pool_rows[i], :n] = slots[cursor:cursor + n]
+        new_slots.append(slots[cursor + prefix_lens[i]:cursor + n])
+        cursor += n
+    q = randn(total_new, num_q_heads, head_dim)
+    k = randn(total_new, num_kv_heads, head_dim)
+    v = randn(total_new, num_kv_heads, head_dim)
+    out_cache_loc = torch.cat(new_slots) if new_slots else torch.zeros(0, dtype=torch.int32)
+    k_cache[out_cache_loc.long().to(device)] = k
+    v_cache[out_cache_loc.long().to(device)] = v
+    starts = [0]
+    for e in extend_lens[:-1]:
+        starts.append(starts[-1] + e)
+
+    def ints(values):
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token.to(device),
+                req_pool_indices=pool_rows.to(device), prefix_lens=ints(prefix_lens), extend_lens=ints(extend_lens),
+                extend_start_loc=ints(starts), seq_lens=ints(seq_lens), out_cache_loc=out_cache_loc.to(device),
+                max_extend_len=max(extend_lens), max_seq_len=max(seq_lens))
+
+
+def rel_err(torch, out, ref):
+    out = out.double()
+    ref = ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")  # NaN poison left somewhere: an output element was never written
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+class Checker:
+    def __init__(self, torch, ref, tri, device):
+        self.torch, self.ref, self.tri, self.device = torch, ref, tri, device
+        self.rows = []
+
+    def record(self, kernel, dtype, shape, case, err, tol):
+        ok = err < tol
+        self.rows.append((kernel, str(dtype).replace("torch.", ""), shape, case, err, tol, ok))
+        print(f"{kernel:<17} {self.rows[-1][1]:<9} {shape:<18} {case:<44} {err:10.2e} {tol:8.0e}  "
+              f"{'ok' if ok else 'FAIL'}", flush=True)
+
+    def extend(self, dtype, hq, hkv, d, prefix_lens, extend_lens, case, g):
+        torch = self.torch
+        b = make_paged_batch(torch, prefix_lens, extend_lens, hq, hkv, d, dtype, self.device, g)
+        scale = d ** -0.5
+        args = (b["k_cache"], b["v_cache"], b["req_to_token"], b["req_pool_indices"], b["prefix_lens"],
+                b["extend_lens"], b["extend_start_loc"], scale, b["max_extend_len"])
+        ref = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=self.device)
+        self.ref.extend_attention(b["q"], b["k"], b["v"], ref, *args)
+        out = torch.full_like(b["q"], float("nan"))
+        self.tri.extend_attention(b["q"], b["k"], b["v"], out, *args)
+        self.record("extend_attention", dtype, f"Hq{hq}/Hkv{hkv} D{d}", case, rel_err(torch, out, ref),
+                    TOLERANCE[str(dtype).replace("torch.", "")])
+
+    def decode(self, dtype, hq, hkv, d, seq_lens, case, g, num_kv_splits=None):
+        torch = self.torch
+        # Decode sees the whole context through the table; the "new" token is just the last position.
+        b = make_paged_batch(torch, [s - 1 for s in seq_lens], [1] * len(seq_lens), hq, hkv, d, dtype,
+                             self.device, g)
+        scale = d ** -0.5
+        args = (b["req_to_token"], b["req_pool_indices"], b["seq_lens"], scale, b["max_seq_len"])
+        ref = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=self.device)
+        self.ref.decode_attention(b["q"], b["k_cache"], b["v_cache"], ref, *args)
+        out = torch.full_like(b["q"], float("nan"))
+        self.tri.decode_attention(b["q"], b["k_cache"], b["v_cache"], out, *args, num_kv_splits=num_kv_splits)
+        splits = f" splits={num_kv_splits}" if num_kv_splits else ""
+        self.record("decode_attention", dtype, f"Hq{hq}/Hkv{hkv} D{d}", case + splits, rel_err(torch, out, ref),
+                    TOLERANCE[str(dtype).replace("torch.", "")])
+
+    def store_kv(self, dtype, n, hkv, d, g, index_dtype):
+        torch = self.torch
+        num_slots = 3 * n + 5
+        caches = [torch.randn(num_slots, hkv, d, generator=g).to(self.device, dtype) for _ in range(2)]
+        # k/v as strided views of a wider buffer, as they come out of a fused qkv projection.
+        fused = torch.randn(n, 3 * hkv, d, generator=g).to(self.device, dtype)
+        k, v = fused[:, hkv:2 * hkv], fused[:, 2 * hkv:]
+        loc = torch.randperm(num_slots, generator=g)[:n].to(self.device, index_dtype)
+        expect = [c.clone() for c in caches]
+        self.ref.store_kv(k, v, expect[0], expect[1], loc)
+        self.tri.store_kv(k, v, caches[0], caches[1], loc)
+        same = torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])
+        self.record("store_kv", dtype, f"N{n} Hkv{hkv} D{d}", f"loc {str(index_dtype)[6:]}, strided k/v",
+                    0.0 if same else float("inf"), 1e-30)
+
+    def elementwise(self, dtype, tokens, hidden, hq, hkv, d, rotary_dim, inter, g, ew):
+        torch = self.torch
+        tol = ELEMENTWISE_TOLERANCE[str(dtype).replace("torch.", "")]
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=g).to(self.device, dtype)
+
+        x, res, w = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
+        self.record("rmsnorm", dtype, f"T{tokens} H{hidden}", "no residual",
+                    rel_err(torch, ew.rmsnorm(x, w, 1e-6), self.ref.rmsnorm(x, w, 1e-6)), tol)
+        out, h = ew.rmsnorm(x, w, 1e-5, res)
+        ref_out, ref_h = self.ref.rmsnorm(x, w, 1e-5, res)
+        self.record("rmsnorm", dtype, f"T{tokens} H{hidden}", "fused residual add (out, h)",
+                    max(rel_err(torch, out, ref_out), rel_err(torch, h, ref_h)), tol)
+
+        # q and k are strided windows of one fused qkv row, as the attention layer slices them.
+        qkv = randn(tokens, (hq + 2 * hkv) * d)
+        cos_sin = torch.randn(4096, rotary_dim, generator=g).to(self.device)
+        positions = torch.randint(0, 4096, (tokens,), generator=g).to(self.device)
+        expect = qkv.clone()
+        self.ref.rope(expect[:, :hq * d].view(tokens, hq, d), expect[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d),
+                      positions, cos_sin)
+        ew.rope(qkv[:, :hq * d].view(tokens, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d),
+                positions, cos_sin)
+        self.record("rope", dtype, f"T{tokens} {hq}/{hkv}x{d}", f"strided q/k views, rotary_dim {rotary_dim}",
+                    rel_err(torch, qkv, expect), tol)
+
+        x = randn(tokens, 2 * inter)
+        self.record("silu_and_mul", dtype, f"T{tokens} I{inter}", "",
+                    rel_err(torch, ew.silu_and_mul(x), self.ref.silu_and_mul(x)), tol)
+
+    def markdown(self, header):
+        lines = [header, "", "| kernel | dtype | shape | case | rel err | tol | |", "|---|---|---|---|---|---|---|"]
+        for kernel, dtype, shape, case, err, tol, ok in self.rows:
+            lines.append(f"| {kernel} | {dtype} | {shape} | {case} | {err:.2e} | {tol:.0e} | {'ok' if ok else 'FAIL'} |")
+        failed = sum(not r[-1] for r in self.rows)
+        lines += ["", f"{len(self.rows) - failed}/{len(self.rows)} cases pass."]
+        return "\n".join(lines) + "\n"
+
+
+def run_small(check, torch, g, ew):
+    """Interpreter-sized: still prefix 0, extend 1, ragged lengths, GQA 1/2/4/8, several splits."""
+    dtypes = [torch.float32, torch.float16]  # bf16 tl.dot is wrong in the Triton 3.9 CPU interpreter
+    for dtype in dtypes:
+        for hq, hkv, d in [(2, 2, 32), (4, 2, 64), (8, 2, 32), (8, 1, 16)]:
+            check.extend(dtype, hq, hkv, d, [0, 37, 5, 70], [20, 1, 45, 3], "mixed: prefix 0, extend 1, ragged", g)
+            check.decode(dtype, hq, hkv, d, [1, 83, 40, 17], "ragged lengths incl. 1", g, num_kv_splits=3)
+    check.extend(torch.float32, 4, 1, 64, [0], [70], "one prefill, no prefix (3 row blocks)", g)
+    check.extend(torch.float32, 4, 2, 32, [33, 0, 1, 2, 64], [1, 1, 1, 17, 32], "decodes in a mixed batch", g)
+    check.decode(torch.float32, 4, 2, 32, [100, 3], "more splits than blocks", g, num_kv_splits=8)
+    check.decode(torch.float32, 4, 2, 32, [300, 50, 1], "automatic split count", g)
+    for index_dtype in (torch.int32, torch.int64):
+        check.store_kv(torch.float32, 13, 2, 32, g, index_dtype)
+    check.store_kv(torch.float16, 5, 4, 64, g, torch.int32)
+    for dtype in (torch.float32, torch.float16):
+        check.elementwise(dtype, 7, 96, 4, 2, 32, 32, 80, g, ew)
+        check.elementwise(dtype, 3, 64, 2, 1, 64, 32, 33, g, ew)
+
+
+def run_full(check, torch, g, ew):
+    import random
+    rnd = random.Random(1234)
+    heads = [(32, 32), (32, 16), (32, 8), (32, 4)]  # GQA 1, 2, 4, 8
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for d in (64, 128):
+            for hq, hkv in heads:
+                full = dtype == torch.bfloat16 or (hq, hkv) == (32, 8)
+                check.extend(dtype, hq, hkv, d, [0], [4100], "prefill 4100, prefix 0", g)
+                check.extend(dtype, hq, hkv, d, [4000, 0, 1, 2049], [100, 1, 333, 1],
+                             "prefix 4000 + mixed decodes", g)
+                check.decode(dtype, hq, hkv, d, [4100], "1 x 4100", g)
+                check.decode(dtype, hq, hkv, d, [rnd.randint(1, 4100) for _ in range(7)] + [1], "8 random <=4100", g)
+                if not full:
+                    continue
+                b = 64
+                prefixes = [rnd.choice([0, rnd.randint(1, 700)]) for _ in range(b)]
+                extends = [rnd.choice([1, rnd.randint(1, 300)]) for _ in range(b)]
+                check.extend(dtype, hq, hkv, d, prefixes, extends, "64 random mixed", g)
+                check.extend(dtype, hq, hkv, d, [rnd.randint(0, 100) for _ in range(256)],
+                             [rnd.randint(1, 20) for _ in range(256)], "256 small", g)
+                check.decode(dtype, hq, hkv, d, [rnd.randint(1, 700) for _ in range(256)], "256 random <=700", g)
+    check.decode(torch.bfloat16, 32, 8, 128, [32768], "1 x 32768", g)
+    check.decode(torch.bfloat16, 32, 8, 128, [4099, 5, 1000], "forced splits", g, num_kv_splits=1)
+    check.decode(torch.bfloat16, 32, 8, 128, [4099, 5, 1000], "forced splits", g, num_kv_splits=64)
+    for index_dtype in (torch.int32, torch.int64):
+        check.store_kv(torch.bfloat16, 4100, 8, 128, g, index_dtype)
+    check.store_kv(torch.float32, 333, 2, 64, g, torch.int32)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        check.elementwise(dtype, 4100, 4096, 32, 8, 128, 128, 12288, g, ew)
+        check.elementwise(dtype, 333, 896, 14, 2, 64, 32, 4864, g, ew)
+        check.elementwise(dtype, 1, 5120, 40, 8, 128, 64, 13824, g, ew)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--interpret", action="store_true", help="run the Triton kernels in the CPU interpreter")
+    parser.add_argument("--small", action="store_true", help="interpreter-sized shapes")
+    parser.add_argument("--out", help="write the result table here as markdown")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.interpret:
+        # Must precede the first import of triton anywhere in this process.
+        os.environ["TRITON_INTERPRET"] = "1"
+
+    import torch
+
+    import kernels
+    from kernels import reference, triton_attention, triton_elementwise
+
+    device = "cpu" if args.interpret else "cuda"
+    if device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference must stay fp32
+    g = torch.Generator().manual_seed(args.seed)
+    check = Checker(torch, reference, triton_attention, device)
+    started = time.time()
+    (run_small if args.small else run_full)(check, torch, g, triton_elementwise)
+
+    # The public entry points must reach the same kernels through the dispatcher.
+    kernels.set_backend("triton")
+    b = make_paged_batch(torch, [9, 0], [5, 18], 4, 2, 32, torch.float32, device, g)
+    via_api = torch.full_like(b["q"], float("nan"))
+    direct = torch.full_like(b["q"], float("nan"))
+    common = (b["k_cache"], b["v_cache"], b["req_to_token"], b["req_pool_indices"], b["prefix_lens"],
+              b["extend_lens"], b["extend_start_loc"], 0.2, b["max_extend_len"])
+    kernels.extend_attention(b["q"], b["k"], b["v"], via_api, *common)
+    triton_attention.extend_attention(b["q"], b["k"], b["v"], direct, *common)
+    check.record("dispatch", torch.float32, "-", "kernels.extend_attention == triton", 
+                 0.0 if torch.equal(via_api, direct) else float("inf"), 1e-30)
+
+    elapsed = time.time() - started
+    name = "CPU (TRITON_INTERPRET=1)" if args.interpret else torch.cuda.get_device_name()
+    import triton
+    header = (f"# Triton kernels vs torch reference: {name}\n\n"
+              f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, triton {triton.__version__}, "
+              f"`python bench/check_kernels_gpu.py{' --interpret' if args.interpret else ''}"
+              f"{' --small' if args.small else ''}`, {elapsed:.0f} s")
+    failed = [r for r in check.rows if not r[-1]]
+    print(f"\n{len(check.rows) - len(failed)}/{len(check.rows)} cases pass in {elapsed:.1f} s (seed {args.seed})")
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(check.markdown(header))
+    if failed:
+        print("FAILED:", *[" ".join(map(str, r[:4])) for r in failed], sep="\n  ")
+        sys.exit(1)
+    print("ALL PASS")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Plain-torch twins of the Triton kernels.
+
+They define what each kernel computes (the Triton versions are tested against them) and they are the
+kernels the whole engine runs on the CPU. Attention math is done in fp32 whatever the storage dtype.
+Lengths are read back to the host (`.tolist()`), which is free on the CPU and acceptable for the
+"reference" ablation backend on the GPU.
+"""
+
+import torch
+import torch.nn.functional as F
+
+
+def store_kv(k, v, k_cache, v_cache, out_cache_loc):
+    loc = out_cache_loc.long()
+    k_cache[loc] = k.to(k_cache.dtype)
+    v_cache[loc] = v.to(v_cache.dtype)
+
+
+def _attend(q, k, v, sm_scale, prefix_len):
+    """One request: q [M, Hq, D] over k/v [L, Hkv, D], where query row j sees keys 0..prefix_len+j.
+
+    Returns fp32 [M, Hq, D]. Query heads are folded onto their KV head ([Hkv, group*M, D]) so GQA
+    needs no copy of K/V; the causal mask is repeated per query head of a group instead.
+    """
+    m, hq, d = q.shape
+    seq_len, hkv, _ = k.shape
+    group = hq // hkv
+    qf = q.float().reshape(m, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * m, d)
+    kf = k.float().permute(1, 0, 2)  # [Hkv, L, D]
+    vf = v.float().permute(1, 0, 2)
+    mask = None
+    if m > 1:  # a single query row sees every key: no mask needed (a decode inside a mixed batch)
+        rows = torch.arange(m, device=q.device)[:, None] + prefix_len
+        cols = torch.arange(seq_len, device=q.device)[None, :]
+        mask = (cols <= rows).repeat(group, 1)  # [group*M, L]
+    out = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, scale=sm_scale)
+    return out.reshape(hkv, group, m, d).permute(2, 0, 1, 3).reshape(m, hq, d)
+
+
+def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
+                     extend_lens, extend_start_loc, sm_scale, max_extend_len):
+    pools = req_pool_indices.tolist()
+    prefixes = prefix_lens.tolist()
+    extends = extend_lens.tolist()
+    starts = extend_start_loc.tolist()
+    for pool, prefix, ext, start in zip(pools, prefixes, extends, starts):
+        if ext == 0:
+            continue
+        rows = slice(start, start + ext)
+        # The new tokens come from k/v directly (identical to what store_kv put in the cache); only the
+        # prefix goes through the token table.
+        slots = req_to_token[pool, :prefix].long()
+        keys = torch.cat([k_cache[slots].to(k.dtype), k[rows]])
+        values = torch.cat([v_cache[slots].to(v.dtype), v[rows]])
+        o[rows] = _attend(q[rows], keys, values, sm_scale, prefix).to(o.dtype)
+
+
+def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale,
+                     max_seq_len):
+    """Batched: every request's context is gathered into a [B, max_len] padded block, masked past its length.
+
+    One fp32 matmul pair for the whole batch keeps the CPU server's decode step cheap; memory is
+    B * max_len * Hkv * D floats, small for the models that run on the CPU.
+    """
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    lens = seq_lens.long()
+    max_len = int(lens.max().item()) if bsz else 0
+    if max_len == 0:
+        return
+    positions = torch.arange(max_len, device=q.device)
+    valid = positions[None, :] < lens[:, None]  # [B, L]
+    # Rows of req_to_token past a request's length may hold stale or garbage slots: never dereference them.
+    slots = req_to_token[req_pool_indices.long(), :max_len].long()
+    slots = torch.where(valid, slots, torch.zeros_like(slots))
+    keys = k_cache[slots].float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    values = v_cache[slots].float().permute(0, 2, 1, 3)
+    qf = q.float().reshape(bsz, hkv, group, d)
+    scores = torch.matmul(qf, keys.transpose(-1, -2)) * sm_scale  # [B, Hkv, group, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, values)  # [B, Hkv, group, D]
+    o.copy_(out.reshape(bsz, hq, d).to(o.dtype))
+
+
+def rmsnorm(x, weight, eps, residual=None):
+    if residual is not None:
+        h = x + residual
+        return rmsnorm(h, weight, eps), h
+    xf = x.float()
+    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (xf * inv_rms * weight.float()).to(x.dtype)
+
+
+def rope(q, k, positions, cos_sin_cache):
+    rotary_dim = cos_sin_cache.shape[-1]
+    half = rotary_dim // 2
+    cos_sin = cos_sin_cache[positions.long()].float()  # [T, rotary_dim]
+    cos = cos_sin[:, None, :half]
+    sin = cos_sin[:, None, half:]
+    for x in (q, k):
+        # Slicing keeps the caller's view: q and k may be strided windows into a fused qkv output.
+        x1 = x[..., :half].float()
+        x2 = x[..., half:rotary_dim].float()
+        rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+        x[..., :rotary_dim] = rotated.to(x.dtype)
+
+
+def silu_and_mul(x):
+    inter = x.shape[-1] // 2
+    return (F.silu(x[..., :inter].float()) * x[..., inter:].float()).to(x.dtype)

@@ -1,0 +1,381 @@
+"""Paged attention in Triton over a token-granular KV cache.
+
+The KV cache is [num_slots, Hkv, D] per layer and a request's context is wherever `req_to_token`
+says, one slot per position, so every kernel gathers K/V rows through that table instead of
+reading a contiguous range. A row of one head is D contiguous elements (256 bytes for bf16 D=128):
+that is the unit of every gather and it keeps loads coalesced even when slots are scattered.
+
+Softmax runs in base 2 (exp2/log2) with sm_scale * log2(e) applied inside the exponent, one FMA
+per score. Accumulation is fp32; for fp32 inputs the dots are asked for IEEE precision, since
+Triton would otherwise use tf32 and miss the 1e-4 tolerance.
+
+Block sizes, warps, stages and the decode split policy were chosen by the sweeps of
+bench/kernels.py on an H100 (bench/results/kernels-h100*.md).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+
+
+def _dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _assert_last_dim_contiguous(*tensors):
+    for t in tensors:
+        assert t.stride(-1) == 1, "kernels need the head_dim axis contiguous (stride 1)"
+
+
+# ---------------------------------------------------------------------------------------------
+# store_kv
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _store_kv_kernel(K, V, K_cache, V_cache, Loc,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_kcn, stride_kch, stride_vcn, stride_vch,
+                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(Loc + token).to(tl.int64)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < NUM_HEADS) & (dims[None, :] < HEAD_DIM)
+    k = tl.load(K + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+    v = tl.load(V + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+    tl.store(K_cache + slot * stride_kcn + heads[:, None] * stride_kch + dims[None, :],
+             k.to(K_cache.dtype.element_ty), mask=mask)
+    tl.store(V_cache + slot * stride_vcn + heads[:, None] * stride_vch + dims[None, :],
+             v.to(V_cache.dtype.element_ty), mask=mask)
+
+
+def store_kv(k, v, k_cache, v_cache, out_cache_loc):
+    n, hkv, d = k.shape
+    if n == 0:
+        return
+    _assert_last_dim_contiguous(k, v, k_cache, v_cache)
+    _store_kv_kernel[(n,)](
+        k, v, k_cache, v_cache, out_cache_loc,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        NUM_HEADS=hkv, HEAD_DIM=d,
+        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        num_warps=4 if hkv * d >= 1024 else 1,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared inner step: one block of keys folded into the running (max, sum, acc) of an online softmax
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _online_softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale,
+                          MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # k arrives as [BLOCK_N, D]; the transposed operand is a layout choice for the compiler, not a copy.
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        qk = tl.where(valid, qk, float("-inf"))
+    # The scale is applied inside the exponent (one FMA per score) rather than to the scores first;
+    # qk_scale > 0, so the running max can be taken on the unscaled scores.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+# ---------------------------------------------------------------------------------------------
+# decode_attention: split-KV flash-decoding
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse,
+                         qk_scale,
+                         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
+                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    # One program = one request x one KV head x one slice of the context. All query heads of the KV
+    # head ride along as the rows of the dot, so each K/V row is read from memory once per group.
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(Seq_lens + req)
+    # Split length rounded to BLOCK_N so that only the last block of a request is ragged.
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start >= end:
+        return  # the merge recomputes these bounds and skips this split
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(Q + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        # int64: slot * stride overflows int32 once the pool holds more than ~2M head-rows.
+        slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(K_cache + slots[:, None] * stride_kn + kv_head * stride_kh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V_cache + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
+                                              True, DOT_PRECISION)
+
+    out_ptr = Mid_o + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + dims[None, :]
+    tl.store(out_ptr, acc / l_i[:, None], mask=head_ok[:, None] & dim_ok[None, :])
+    tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(Mid_o, Mid_lse, O, Seq_lens,
+                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Each split holds softmax-normalised partial output and its log-sum-exp; weighting by
+    # exp(lse - max lse) turns them back into one softmax over the whole context.
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(Seq_lens + req)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    splits = tl.arange(0, BLOCK_S)
+    live = (splits < NUM_SPLITS) & (splits * split_len < seq_len)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    # Dead splits were never written: masked loads keep their garbage out of the sum.
+    lse = tl.load(Mid_lse + req * stride_mlb + head * stride_mlh + splits, mask=live, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(Mid_o + req * stride_mob + head * stride_moh + splits[:, None] * stride_mos + dims[None, :],
+                   mask=live[:, None] & dim_ok[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
+    tl.store(O + req * stride_ob + head * stride_oh + dims, out.to(O.dtype.element_ty), mask=dim_ok)
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device):
+    if device.type != "cuda":
+        return 4  # interpreter: a few programs are enough to exercise the split path
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+# Tuned on the H100 (bench/kernels.py). fp32 takes narrower blocks: its IEEE dots run on FMA units
+# and hold their operands in registers. The interpreter only cares that blocks are small.
+DECODE_CONFIG = {
+    "16bit": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
+    "fp32": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
+    "interpret": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
+}
+# Split policy: aim at a few programs per SM, but never slices shorter than min_split_tokens.
+DECODE_SPLITS = {"programs_per_sm": 4, "min_split_tokens": 256, "max_splits": 64}
+
+
+def decode_config(dtype, device):
+    if device.type != "cuda":
+        return DECODE_CONFIG["interpret"]
+    return DECODE_CONFIG["fp32" if dtype == torch.float32 else "16bit"]
+
+
+def decode_num_splits(batch, num_kv_heads, max_seq_len, device):
+    """How many context slices per (request, KV head): enough programs to fill every SM a few times.
+
+    Decided on the host from max_seq_len alone (no device sync); each request then cuts its own
+    context into that many slices, so short requests in a batch with a long one simply get short slices.
+    """
+    cfg = DECODE_SPLITS
+    target = cfg["programs_per_sm"] * _sm_count(device)
+    splits = triton.cdiv(target, max(1, batch * num_kv_heads))
+    splits = min(splits, triton.cdiv(max(1, max_seq_len), cfg["min_split_tokens"]), cfg["max_splits"])
+    return max(1, splits)
+
+
+def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len,
+                     num_kv_splits=None, config=None):
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    if bsz == 0:
+        return
+    _assert_last_dim_contiguous(q, k_cache, v_cache, o)
+    assert req_to_token.stride(1) == 1
+    cfg = dict(decode_config(q.dtype, q.device), **(config or {}))
+    group = hq // hkv
+    splits = num_kv_splits or decode_num_splits(bsz, hkv, max_seq_len, q.device)
+    block_d = triton.next_power_of_2(d)
+    mid_o = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(bsz, hkv, splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
+        sm_scale * _LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        req_to_token.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, HEAD_DIM=d, NUM_SPLITS=splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"],
+        DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    _decode_merge_kernel[(bsz, hq)](
+        mid_o, mid_lse, o, seq_lens,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1),
+        HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        BLOCK_N=cfg["BLOCK_N"], num_warps=1 if block_d <= 64 else 2,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# extend_attention: prefix through the table, then causal over the new tokens
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rows(Base, rows, stride_row, dims, row_ok, dim_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """[len(rows), BLOCK_D] from row offsets; masks only what can be out of range (each mask costs selects)."""
+    ptrs = Base + rows[:, None] * stride_row + dims[None, :]
+    if MASK_ROWS:
+        if EVEN_D:
+            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        return tl.load(ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=dim_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _extend_kernel(Q, K, V, O, K_cache, V_cache, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens,
+                   Extend_start, qk_scale, num_m_blocks,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                   stride_kcn, stride_kch, stride_vcn, stride_vch, stride_rt,
+                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # One program = one query head x BLOCK_M new tokens x one request. Heads vary fastest in launch
+    # order, so the programs in flight together share one request's K/V and find it in L2; the last
+    # row blocks (which see the most keys) are launched first so no long program is left for the tail.
+    head = tl.program_id(0)
+    m_block = num_m_blocks - 1 - tl.program_id(1)
+    req = tl.program_id(2)
+
+    extend_len = tl.load(Extend_lens + req)
+    first_row = m_block * BLOCK_M
+    if first_row >= extend_len:
+        return  # the grid is sized for the longest request of the batch
+    prefix_len = tl.load(Prefix_lens + req)
+    token0 = tl.load(Extend_start + req).to(tl.int64)
+    kv_head = head // GROUP
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < extend_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = _load_rows(Q + token0 * stride_qt + head * stride_qh, rows, stride_qt, dims, row_ok, dim_ok, True, EVEN_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # 1) Everything strictly before this query block: the cached prefix and the earlier new tokens,
+    #    all visible to every row. store_kv already put the new tokens' K/V into the cache, so one
+    #    gather through the table covers both. Whole blocks go unmasked; the ragged tail gets a mask.
+    table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
+    k_base = K_cache + kv_head * stride_kch
+    v_base = V_cache + kv_head * stride_vch
+    visible = prefix_len + first_row
+    whole = (visible // BLOCK_N) * BLOCK_N
+    for n0 in range(0, whole, BLOCK_N):
+        # int64: slot * stride overflows int32 once the pool holds more than ~2M head-rows.
+        slots = tl.load(table + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+        k = _load_rows(k_base, slots, stride_kcn, dims, None, dim_ok, False, EVEN_D)
+        v = _load_rows(v_base, slots, stride_vcn, dims, None, dim_ok, False, EVEN_D)
+        m_i, l_i, acc = _online_softmax_block(q, k, v, None, m_i, l_i, acc, qk_scale, False, DOT_PRECISION)
+    if whole < visible:
+        pos = whole + tl.arange(0, BLOCK_N)
+        pos_ok = pos < visible
+        slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
+        k = _load_rows(k_base, slots, stride_kcn, dims, pos_ok, dim_ok, True, EVEN_D)
+        v = _load_rows(v_base, slots, stride_vcn, dims, pos_ok, dim_ok, True, EVEN_D)
+        m_i, l_i, acc = _online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
+                                              True, DOT_PRECISION)
+
+    # 2) The diagonal block, read from k/v directly: causal mask, and the request's last block may be ragged.
+    k_new = K + token0 * stride_kt + kv_head * stride_kh
+    v_new = V + token0 * stride_vt + kv_head * stride_vh
+    diag_end = tl.minimum(first_row + BLOCK_M, extend_len)
+    for n0 in range(first_row, diag_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < extend_len
+        k = _load_rows(k_new, pos, stride_kt, dims, pos_ok, dim_ok, True, EVEN_D)
+        v = _load_rows(v_new, pos, stride_vt, dims, pos_ok, dim_ok, True, EVEN_D)
+        causal = (pos[None, :] <= rows[:, None]) & pos_ok[None, :]
+        m_i, l_i, acc = _online_softmax_block(q, k, v, causal, m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
+
+    out = (acc / l_i[:, None]).to(O.dtype.element_ty)
+    o_ptrs = O + (token0 + rows[:, None]) * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & dim_ok[None, :])
+
+
+# Per (dtype width, head_dim) on the GPU; chosen by the sweep in bench/kernels.py.
+EXTEND_CONFIG = {
+    "16bit": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    "16bit_small_d": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    # Batches of decodes / short chunks: rows past a request's extend are pure waste, so use few.
+    "16bit_short": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "fp32": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
+    "interpret": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+}
+
+
+def extend_config(dtype, head_dim, device, max_extend_len=None):
+    if device.type != "cuda":
+        return EXTEND_CONFIG["interpret"]
+    if dtype == torch.float32:
+        return EXTEND_CONFIG["fp32"]
+    if max_extend_len is not None and max_extend_len <= EXTEND_CONFIG["16bit_short"]["BLOCK_M"]:
+        return EXTEND_CONFIG["16bit_short"]
+    return EXTEND_CONFIG["16bit" if head_dim > 64 else "16bit_small_d"]
+
+
+def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
+                     extend_start_loc, sm_scale, max_extend_len, config=None):
+    t, hq, d = q.shape
+    bsz = extend_lens.shape[0]
+    hkv = k.shape[1]
+    if t == 0 or bsz == 0:
+        return
+    _assert_last_dim_contiguous(q, k, v, o, k_cache, v_cache)
+    assert req_to_token.stride(1) == 1
+    cfg = dict(extend_config(q.dtype, d, q.device, max_extend_len), **(config or {}))
+    num_m_blocks = triton.cdiv(max_extend_len, cfg["BLOCK_M"])
+    _extend_kernel[(hq, num_m_blocks, bsz)](
+        q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
+        sm_scale * _LOG2E, num_m_blocks,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
+        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )

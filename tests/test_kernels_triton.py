@@ -1,0 +1,115 @@
+"""The Triton kernels against the torch references.
+
+In CI (CPU only) they run under TRITON_INTERPRET=1. Triton reads that variable when it is imported,
+so the interpreted run happens in a child process (bench/check_kernels_gpu.py --interpret --small)
+and the rest of the suite keeps a normal triton. The `gpu` tests run the compiled kernels for real
+and are skipped without CUDA (tests/conftest.py).
+"""
+
+import importlib.util
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHECK_SCRIPT = os.path.join(ROOT, "bench", "check_kernels_gpu.py")
+
+
+def _child_env(**extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def test_triton_kernels_match_reference_in_interpreter():
+    result = subprocess.run(
+        [sys.executable, CHECK_SCRIPT, "--interpret", "--small", "--seed", str(random.randrange(1 << 16))],
+        cwd=ROOT, env=_child_env(TRITON_INTERPRET="1", RADIXSERVE_KERNEL_BACKEND="triton"),
+        capture_output=True, text=True, timeout=300)
+    print(result.stdout[-4000:], result.stderr[-4000:])
+    if result.returncode != 0 and "only 0-dimensional arrays can be converted to Python scalars" in result.stderr:
+        # Seen with triton 3.6 + numpy 2.5 (the GPU machine): that interpreter calls int() on a 1-element
+        # array for a loop bound; newer triton squeezes it first. Not a kernel error, and the real
+        # kernels are tested by the gpu tests below on such machines.
+        pytest.skip("this triton's interpreter is incompatible with this numpy version")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "ALL PASS" in result.stdout
+    # Every kernel family was exercised, not just imported.
+    for name in ("extend_attention", "decode_attention", "store_kv", "rmsnorm", "rope", "silu_and_mul", "dispatch"):
+        assert f"\n{name} " in "\n" + result.stdout, name
+
+
+def test_backend_comes_from_environment():
+    code = "import kernels, sys; sys.stdout.write(kernels.get_backend())"
+    for name in ("reference", "triton"):
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                             env=_child_env(RADIXSERVE_KERNEL_BACKEND=name))
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == name
+    bad = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env=_child_env(RADIXSERVE_KERNEL_BACKEND="fast"))
+    assert bad.returncode != 0 and "unknown kernel backend" in bad.stderr
+
+
+# ----------------------------------------------------------------------------------------------
+# On a real GPU
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_module():
+    spec = importlib.util.spec_from_file_location("check_kernels_gpu", CHECK_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _assert_all_ok(checker):
+    failed = [row for row in checker.rows if not row[-1]]
+    assert checker.rows and not failed, failed
+
+
+@pytest.mark.gpu
+def test_gpu_small_set():
+    from kernels import reference, triton_attention, triton_elementwise
+    check = _check_module()
+    checker = check.Checker(torch, reference, triton_attention, "cuda")
+    check.run_small(checker, torch, torch.Generator().manual_seed(1), triton_elementwise)
+    _assert_all_ok(checker)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("hq,hkv,d", [(32, 32, 64), (32, 16, 128), (32, 8, 128), (32, 4, 64)])
+def test_gpu_bf16_attention(hq, hkv, d):
+    from kernels import reference, triton_attention
+    check = _check_module()
+    checker = check.Checker(torch, reference, triton_attention, "cuda")
+    g = torch.Generator().manual_seed(hq + hkv + d)
+    rng = random.Random(d)
+    checker.extend(torch.bfloat16, hq, hkv, d, [0, 1000, 5, 129], [777, 1, 64, 1], "mixed", g)
+    checker.extend(torch.bfloat16, hq, hkv, d, [rng.randint(0, 300) for _ in range(40)],
+                   [rng.randint(1, 100) for _ in range(40)], "40 random", g)
+    checker.extend(torch.bfloat16, hq, hkv, d, [300] * 9, [1] * 9, "short-extend config", g)
+    checker.decode(torch.bfloat16, hq, hkv, d, [rng.randint(1, 3000) for _ in range(33)], "33 random", g)
+    checker.decode(torch.bfloat16, hq, hkv, d, [5000], "one long", g)
+    _assert_all_ok(checker)
+
+
+@pytest.mark.gpu
+def test_gpu_auto_backend_dispatches_to_triton():
+    import kernels
+    from kernels import reference
+    previous = kernels.get_backend()
+    kernels.set_backend("auto")
+    try:
+        x = torch.randn(64, 2 * 300, device="cuda", dtype=torch.bfloat16)
+        out = kernels.silu_and_mul(x)
+        torch.testing.assert_close(out, reference.silu_and_mul(x), rtol=1e-2, atol=1e-2)
+        kernels.set_backend("reference")
+        assert torch.equal(kernels.silu_and_mul(x), reference.silu_and_mul(x))
+    finally:
+        kernels.set_backend(previous)
