@@ -6,6 +6,12 @@ for token (tiny models, fp32), then a bf16 run for sanity. Prints a table; exits
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as a script, bench/ comes first on sys.path and bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import sys
 import time

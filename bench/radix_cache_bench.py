@@ -12,6 +12,12 @@ new one (hit = system prompt only). Eviction is timed separately as evict(4096) 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as a script, bench/ comes first on sys.path and bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import time
 

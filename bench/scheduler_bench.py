@@ -7,6 +7,12 @@ Target (issue 3): one scheduling step with 256 running requests under 1 ms (sche
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# Run as a script, bench/ comes first on sys.path and bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
 import argparse
 import statistics
 import time

@@ -10,8 +10,11 @@ import torch
 
 @dataclass
 class ForwardContext:
-    # True when every request contributes exactly one token (a pure decode step): the split-KV decode kernel runs.
-    is_decode: bool
+    """Requests [0, num_extend_reqs) compute prompt chunks (the extend kernel); the rest are decodes, one token over
+    a cached context each, which the split-KV decode kernel does several times faster than the extend kernel. The
+    scheduler puts decodes last, so one split point suffices."""
+    num_extend_reqs: int
+    num_extend_tokens: int
     req_to_token: torch.Tensor  # int32 [rows, context_len]
     req_pool_indices: torch.Tensor  # int32 [B]
     prefix_lens: torch.Tensor  # int32 [B]: tokens already in the KV cache before this step
@@ -19,8 +22,8 @@ class ForwardContext:
     extend_start_loc: torch.Tensor  # int32 [B]: row of each request's first new token in the flat batch
     seq_lens: torch.Tensor  # int32 [B]: prefix + extend
     out_cache_loc: torch.Tensor  # int32 [T]: KV slot of each new token
-    max_extend_len: int
-    max_seq_len: int
+    max_extend_len: int  # over the extend requests
+    max_seq_len: int  # over the decode requests
 
 
 _current: ForwardContext | None = None

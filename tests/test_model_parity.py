@@ -104,13 +104,23 @@ def test_batch_of_four_equals_each_alone(setup):
         assert rel_err(together[i], alone[i]) < 1e-5
 
 
-def test_mixed_batch_of_extends_and_decodes(setup):
-    """A decode (extend 1 over a long prefix) and fresh prompts in one forward equal HF on each sequence."""
+@pytest.mark.parametrize("decode_last", [False, True])
+def test_mixed_batch_of_extends_and_decodes(setup, decode_last):
+    """Decodes (extend 1 over a prefix) and a fresh prompt in one forward equal HF on each sequence. With the decodes
+    last (the scheduler's order) they run through the decode kernel, otherwise through the extend kernel."""
     hf, runner = setup
     pool = SlotPool(40)
-    long_ids = random_ids(30, 41)
-    runner.compute_logits(batch([6], [0], [long_ids[:29]], [pool.take(29)], [6]))
+    long_ids = [random_ids(30, 41), random_ids(18, 43)]
+    for row, ids in zip((6, 8), long_ids):
+        runner.compute_logits(batch([row], [0], [ids[:-1]], [pool.take(len(ids) - 1)], [row]))
     fresh = random_ids(12, 42)
-    out = runner.compute_logits(batch([6, 7], [29, 0], [long_ids[29:], fresh], [pool.take(1), pool.take(12)], [7]))
-    assert rel_err(out[0], hf_logits(hf, long_ids.tolist())[-1]) < 1e-4
-    assert rel_err(out[1], hf_logits(hf, fresh.tolist())[-1]) < 1e-4
+    entries = [(6, 29, long_ids[0][29:]), (8, 17, long_ids[1][17:]), (7, 0, fresh)]
+    if decode_last:
+        entries = entries[2:] + entries[:2]
+    rows, prefixes, chunks = zip(*entries)
+    out = runner.compute_logits(batch(list(rows), list(prefixes), list(chunks), [pool.take(len(c)) for c in chunks],
+                                      [7]))
+    expected = {6: hf_logits(hf, long_ids[0].tolist())[-1], 8: hf_logits(hf, long_ids[1].tolist())[-1],
+                7: hf_logits(hf, fresh.tolist())[-1]}
+    for i, row in enumerate(rows):
+        assert rel_err(out[i], expected[row]) < 1e-4, row

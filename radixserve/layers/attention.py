@@ -1,5 +1,5 @@
 """Paged attention over the token-granular KV cache: stores the new K/V into their slots, then attends through
-req_to_token (split-KV decode kernel for pure decode steps, the extend kernel otherwise)."""
+req_to_token: the extend kernel for prompt chunks, the split-KV decode kernel for the decodes of the batch."""
 
 from __future__ import annotations
 
@@ -23,11 +23,12 @@ class Attention(nn.Module):
         ctx = get_forward_context()
         kernels.store_kv(k, v, self.k_cache, self.v_cache, ctx.out_cache_loc)
         o = torch.empty_like(q)
-        if ctx.is_decode:
-            kernels.decode_attention(q, self.k_cache, self.v_cache, o, ctx.req_to_token, ctx.req_pool_indices,
-                                     ctx.seq_lens, self.scale, ctx.max_seq_len)
-        else:
-            kernels.extend_attention(q, k, v, o, self.k_cache, self.v_cache, ctx.req_to_token, ctx.req_pool_indices,
-                                     ctx.prefix_lens, ctx.extend_lens, ctx.extend_start_loc, self.scale,
-                                     ctx.max_extend_len)
+        n, t = ctx.num_extend_reqs, ctx.num_extend_tokens
+        if n:
+            kernels.extend_attention(q[:t], k[:t], v[:t], o[:t], self.k_cache, self.v_cache, ctx.req_to_token,
+                                     ctx.req_pool_indices[:n], ctx.prefix_lens[:n], ctx.extend_lens[:n],
+                                     ctx.extend_start_loc[:n], self.scale, ctx.max_extend_len)
+        if t < q.shape[0]:
+            kernels.decode_attention(q[t:], self.k_cache, self.v_cache, o[t:], ctx.req_to_token,
+                                     ctx.req_pool_indices[n:], ctx.seq_lens[n:], self.scale, ctx.max_seq_len)
         return o

@@ -120,7 +120,7 @@ class ModelRunner:
             self._register(req)
         table = self.req_to_token_pool.table
         for w in batch.row_writes:
-            self.req_to_token_pool.write(w.req_pool_idx, w.start, unpack_i32(w.slots))
+            self.req_to_token_pool.write(w.req_pool_idx, w.start, unpack_i32(w.slots).copy())
 
         rows, prefix_lens = unpack_i32(batch.req_pool_indices), unpack_i32(batch.prefix_lens)
         extend_lens = unpack_i32(batch.extend_lens)
@@ -135,8 +135,12 @@ class ModelRunner:
         flat_index = self._to_device(np.repeat(rows.astype(np.int64), extend_lens) * table.shape[1] + positions)
         table.view(-1)[flat_index] = out_cache_loc
 
+        # Decodes come last in a batch; find where that tail starts.
+        not_decode = np.flatnonzero((extend_lens != 1) | (prefix_lens == 0))
+        num_extend = int(not_decode[-1]) + 1 if len(not_decode) else 0
         ctx = ForwardContext(
-            is_decode=len(positions) == len(rows),
+            num_extend_reqs=num_extend,
+            num_extend_tokens=int(extend_lens[:num_extend].sum()),
             req_to_token=table,
             req_pool_indices=self._to_device(rows),
             prefix_lens=self._to_device(prefix_lens),
@@ -144,8 +148,8 @@ class ModelRunner:
             extend_start_loc=self._to_device(extend_start),
             seq_lens=self._to_device(seq_lens.astype(np.int32)),
             out_cache_loc=out_cache_loc,
-            max_extend_len=int(extend_lens.max(initial=0)),
-            max_seq_len=int(seq_lens.max(initial=0)),
+            max_extend_len=int(extend_lens[:num_extend].max(initial=0)),
+            max_seq_len=int(seq_lens[num_extend:].max(initial=0)),
         )
         set_forward_context(ctx)
         try:
