@@ -29,15 +29,27 @@ def prompts(engine: Engine) -> list[list[int]]:
     return [engine.tokenizer.encode(t) for t in texts]
 
 
-def run(model_dir: str, device: str, dtype: str, backend: str) -> tuple[list[list[int]], float]:
+def run(model_dir: str, device: str, dtype: str, backend: str, cuda_graph: bool = True):
     engine = Engine(model_dir, device=device, dtype=dtype, kernel_backend=backend, max_total_tokens=8192,
-                    chunked_prefill_size=64)
+                    chunked_prefill_size=64, disable_cuda_graph=not cuda_graph, cuda_graph_max_bs=32)
     params = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
     batch = prompts(engine) * 4  # repeated prompts: the second copies hit the radix cache
     start = time.perf_counter()
     outs = [r.token_ids for r in engine.generate(batch, params)]
     engine.scheduler.check_invariant()
     return outs, time.perf_counter() - start
+
+
+def compare(model_dir, cpu, gpu, label, t_cpu, t_gpu) -> int:
+    same = sum(a == b for a, b in zip(cpu, gpu))
+    print(f"{model_dir}: fp32 greedy, {label} vs CPU reference: {same}/{len(cpu)} sequences identical "
+          f"(cpu {t_cpu:.1f}s, gpu {t_gpu:.1f}s)")
+    for a, b in zip(cpu, gpu):
+        if a != b:
+            first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+            print(f"  first divergence at token {first}: cpu {a[first:first + 5]} gpu {b[first:first + 5]}")
+            return 1
+    return 0
 
 
 def main() -> int:
@@ -49,17 +61,10 @@ def main() -> int:
     failures = 0
     for model_dir in ns.model_dirs:
         cpu, t_cpu = run(model_dir, "cpu", "float32", "reference")
-        gpu, t_gpu = run(model_dir, "cuda", "float32", "triton")
-        same = sum(a == b for a, b in zip(cpu, gpu))
-        print(f"{model_dir}: fp32 greedy, GPU Triton vs CPU reference: {same}/{len(cpu)} sequences identical "
-              f"(cpu {t_cpu:.1f}s, gpu {t_gpu:.1f}s)")
-        if same != len(cpu):
-            failures += 1
-            for a, b in zip(cpu, gpu):
-                if a != b:
-                    first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-                    print(f"  first divergence at token {first}: cpu {a[first:first + 5]} gpu {b[first:first + 5]}")
-                    break
+        for graphs in (True, False):
+            gpu, t_gpu = run(model_dir, "cuda", "float32", "triton", cuda_graph=graphs)
+            failures += compare(model_dir, cpu, gpu, f"GPU Triton ({'CUDA graphs' if graphs else 'eager'})",
+                                t_cpu, t_gpu)
         bf16, _ = run(model_dir, "cuda", "bfloat16", "triton")
         agree = sum(x == y for a, b in zip(cpu, bf16) for x, y in zip(a, b)) / sum(len(a) for a in cpu)
         print(f"  bf16 Triton vs fp32 CPU: {agree:.1%} of tokens agree (informative; bf16 rounding flips near-ties)")

@@ -1,4 +1,5 @@
-"""Offline throughput of the engine on a chat workload with long shared system prompts, radix cache on vs off.
+"""Offline throughput of the engine on a chat workload with long shared system prompts: radix cache on vs off, and
+(on the GPU) decode steps replayed from CUDA graphs vs launched eagerly.
 Real model shapes with dummy weights (greedy, EOS ignored, so every request generates exactly --output-len tokens).
 
     python bench/offline_throughput.py --config qwen3-0.6b --tokenizer DIR [--groups 8 --per-group 32 ...]
@@ -89,7 +90,11 @@ def main() -> None:
     print(f"{ns.config} (dummy weights) on {device_name}: {len(prompts)} requests, {ns.groups} system prompts of "
           f"{ns.system_len} tokens + {ns.question_len}-token questions, {ns.output_len} output tokens each")
     rows = {}
-    for mode, extra in {"radix cache": {}, "no cache": {"disable_radix_cache": True}}.items():
+    modes = {"radix cache": {}, "no cache": {"disable_radix_cache": True},
+             "radix, eager": {"disable_cuda_graph": True}}
+    if ns.device != "cuda":
+        del modes["radix, eager"]
+    for mode, extra in modes.items():
         rows[mode] = run(model_dir, prompts, ns.output_len, device=ns.device,
                          max_running_requests=ns.max_running_requests, **extra)
         print(f"{mode:12s} {rows[mode]}", flush=True)

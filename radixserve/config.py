@@ -53,6 +53,8 @@ class ServerArgs:
     # Kernels
     kernel_backend: str = _flag("auto", "auto|triton|reference (torch twins, for ablations).",
                                 choices=["auto", "triton", "reference"])
+    disable_cuda_graph: bool = _flag(False, "Run decode steps eagerly instead of replaying captured CUDA graphs.")
+    cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph (larger ones run eagerly).")
     # HTTP
     host: str = _flag("127.0.0.1", "Address to bind (loopback by default).")
     port: int = _flag(30000, "HTTP port.")

@@ -16,6 +16,7 @@ from radixserve.forward_context import ForwardContext, set_forward_context
 from radixserve.layers.sampler import Sampler, SamplingRequestState
 from radixserve.loader import load_dummy, load_safetensors
 from radixserve.models.registry import model_class
+from radixserve.worker.cuda_graph import DecodeCudaGraphs
 from radixserve.protocol import ForwardBatch, SampledTokens, TokenLogprobs, WorkerRequest, unpack_i32
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,10 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(server_args.max_running_requests, self.context_len, self.device)
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self.request_states: dict[int, SamplingRequestState] = {}  # by req_pool_idx
+        self.cuda_graphs = None
+        if self.device.type == "cuda" and not server_args.disable_cuda_graph:
+            self.cuda_graphs = DecodeCudaGraphs(self.model, self.req_to_token_pool.table, self.context_len,
+                                                min(server_args.cuda_graph_max_bs, server_args.max_running_requests))
 
     # ------------------------------------------------------------------ setup
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
@@ -108,10 +113,11 @@ class ModelRunner:
             params=p, eos_ids=self.model_config.eos_token_ids, num_outputs=len(outputs), output_counts=counts,
             seen_mask=seen)
 
-    def _to_device(self, array: np.ndarray) -> torch.Tensor:
-        # np.frombuffer views of message bytes are read-only; torch wants a writable array.
-        array = np.ascontiguousarray(array) if array.flags.writeable else array.copy()
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+    def _to_device(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
+        """Several small host arrays in one host-to-device copy (each copy costs a launch and a sync point)."""
+        sizes = [len(a) for a in arrays]
+        packed = torch.from_numpy(np.concatenate(arrays).astype(dtype, copy=False)).to(self.device, non_blocking=True)
+        return list(packed.split(sizes))
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
@@ -129,35 +135,40 @@ class ModelRunner:
         if seq_lens.max(initial=0) > self.context_len:
             raise ValueError(f"sequence of {seq_lens.max()} tokens exceeds the context length {self.context_len}")
         extend_start = (np.cumsum(extend_lens) - extend_lens).astype(np.int32)
-        out_cache_loc = self._to_device(unpack_i32(batch.out_cache_loc))
-        positions_t = self._to_device(positions)
+        last_index = extend_start + extend_lens - 1
+        flat_index = np.repeat(rows.astype(np.int64), extend_lens) * table.shape[1] + positions
+        rows_t, prefix_t, extend_t, start_t, seq_lens_t, out_cache_loc = self._to_device(
+            [rows, prefix_lens, extend_lens, extend_start, seq_lens, unpack_i32(batch.out_cache_loc)], np.int32)
+        input_ids, positions_t, flat_index_t, last_index_t = self._to_device(
+            [unpack_i32(batch.input_ids), positions, flat_index, last_index], np.int64)
         # The new tokens' slots go into req_to_token here, so the kernels read every position through one table.
-        flat_index = self._to_device(np.repeat(rows.astype(np.int64), extend_lens) * table.shape[1] + positions)
-        table.view(-1)[flat_index] = out_cache_loc
+        table.view(-1)[flat_index_t] = out_cache_loc
 
         # Decodes come last in a batch; find where that tail starts.
         not_decode = np.flatnonzero((extend_lens != 1) | (prefix_lens == 0))
         num_extend = int(not_decode[-1]) + 1 if len(not_decode) else 0
+        if num_extend == 0 and not all_positions and self.cuda_graphs is not None and self.cuda_graphs.fits(len(rows)):
+            return self.cuda_graphs.replay(input_ids, positions_t, rows_t, seq_lens_t, out_cache_loc)
         ctx = ForwardContext(
             num_extend_reqs=num_extend,
             num_extend_tokens=int(extend_lens[:num_extend].sum()),
             req_to_token=table,
-            req_pool_indices=self._to_device(rows),
-            prefix_lens=self._to_device(prefix_lens),
-            extend_lens=self._to_device(extend_lens),
-            extend_start_loc=self._to_device(extend_start),
-            seq_lens=self._to_device(seq_lens.astype(np.int32)),
+            req_pool_indices=rows_t,
+            prefix_lens=prefix_t,
+            extend_lens=extend_t,
+            extend_start_loc=start_t,
+            seq_lens=seq_lens_t,
             out_cache_loc=out_cache_loc,
             max_extend_len=int(extend_lens[:num_extend].max(initial=0)),
             max_seq_len=int(seq_lens[num_extend:].max(initial=0)),
         )
         set_forward_context(ctx)
         try:
-            hidden = self.model(self._to_device(unpack_i32(batch.input_ids).astype(np.int64)), positions_t)
+            hidden = self.model(input_ids, positions_t)
         finally:
             set_forward_context(None)
         if not all_positions:
-            hidden = hidden[self._to_device((extend_start + extend_lens - 1).astype(np.int64))]
+            hidden = hidden[last_index_t]
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -168,7 +179,7 @@ class ModelRunner:
         if not len(rows):
             return SampledTokens(step=batch.step, token_ids=b"")
         seq_lens = (unpack_i32(batch.prefix_lens) + unpack_i32(batch.extend_lens))[mask]
-        logits = logits[self._to_device(np.flatnonzero(mask))] if not mask.all() else logits
+        logits = logits[torch.from_numpy(np.flatnonzero(mask)).to(self.device)] if not mask.all() else logits
         states = [self.request_states[int(r)] for r in rows]
         tokens, logprobs = self.sampler(logits, states, seq_lens.tolist())
         token_list = tokens.tolist()
