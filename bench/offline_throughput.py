@@ -16,7 +16,7 @@ from pathlib import Path
 sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
-import gc
+import subprocess
 import json
 import time
 
@@ -63,10 +63,6 @@ def run(model_dir: str, prompts, output_len: int, **engine_args) -> dict:
         "prefill_tokens_computed": engine.scheduler.stats.prefill_tokens_computed - stats_before,
         "steps": engine.scheduler.stats.steps,
     }
-    del engine, results
-    gc.collect()  # the KV cache is most of the GPU: free it before the next engine sizes its own
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return out
 
 
@@ -82,6 +78,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-running-requests", type=int, default=256)
     parser.add_argument("--json-out")
+    parser.add_argument("--only-mode", help=argparse.SUPPRESS)  # internal: run one mode, print its JSON row
     ns = parser.parse_args()
     model_dir = str(dummy_config_dir(ns.config, ns.tokenizer))
     vocab = json.loads(open(f"{model_dir}/config.json").read())["vocab_size"]
@@ -94,12 +91,25 @@ def main() -> None:
              "radix, eager": {"disable_cuda_graph": True}}
     if ns.device != "cuda":
         del modes["radix, eager"]
-    for mode, extra in modes.items():
-        rows[mode] = run(model_dir, prompts, ns.output_len, device=ns.device,
-                         max_running_requests=ns.max_running_requests, **extra)
+    if ns.only_mode:
+        row = run(model_dir, prompts, ns.output_len, device=ns.device,
+                  max_running_requests=ns.max_running_requests, **modes[ns.only_mode])
+        print("ROW " + json.dumps(row))
+        return
+    for mode in modes:
+        # Each mode in a fresh process: an engine sizes its KV cache from free GPU memory, which the previous
+        # engine's cache and graphs would otherwise distort.
+        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only-mode", mode], capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+        if proc.returncode or not lines:
+            print(f"{mode}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+            continue
+        rows[mode] = json.loads(lines[0][4:])
         print(f"{mode:12s} {rows[mode]}", flush=True)
-    speedup = rows["no cache"]["seconds"] / rows["radix cache"]["seconds"]
-    print(f"radix cache speed-up: {speedup:.2f}x wall time")
+    if "no cache" in rows and "radix cache" in rows:
+        print(f"radix cache speed-up: {rows['no cache']['seconds'] / rows['radix cache']['seconds']:.2f}x wall time")
+    if "radix, eager" in rows and "radix cache" in rows:
+        print(f"CUDA graph speed-up: {rows['radix, eager']['seconds'] / rows['radix cache']['seconds']:.2f}x wall time")
     if ns.json_out:
         with open(ns.json_out, "w") as f:
             json.dump({"config": vars(ns), "device": device_name, "results": rows}, f, indent=2)
