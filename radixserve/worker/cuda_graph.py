@@ -63,6 +63,9 @@ class DecodeCudaGraphs:
     def _capture_all(self) -> None:
         pool = None
         stream = torch.cuda.Stream()
+        # Capture runs on a side stream: it must first see the static buffers' initial values and the weights,
+        # written on the default stream (without this wait it read stale memory of a freed engine).
+        stream.wait_stream(torch.cuda.current_stream())
         for bs in reversed(self.buckets):
             set_forward_context(self._context(bs))
             try:
