@@ -23,6 +23,7 @@ from radixserve.process_util import child_argv
 from radixserve.protocol import ChildToLauncher, ProcessFailed, ProcessReady
 
 READY_TIMEOUT_S = 900
+DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
 STOP_GRACE_S = 5.0
 
 
@@ -53,6 +54,8 @@ class Launcher:
     def __init__(self, args: ServerArgs):
         self.args = args
         self.model_dir = str(resolve_model_dir(args.model))
+        if args.model is None and args.served_model_name is None:
+            args.served_model_name = DEMO_MODEL_NAME
         self.endpoints = Endpoints(make_ipc_dir())
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, self.endpoints.launcher, bind=True, recv_type=ChildToLauncher)

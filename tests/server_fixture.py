@@ -37,8 +37,8 @@ def _die_with_pytest() -> None:
 
 
 class LaunchedServer:
-    def __init__(self, model_dir: str | Path, *flags: str):
-        self.model_dir = str(model_dir)
+    def __init__(self, model_dir: str | Path | None, *flags: str):
+        self.model_dir = None if model_dir is None else str(model_dir)  # None: launch.py's default, the demo
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags = flags
@@ -53,8 +53,8 @@ class LaunchedServer:
         return Path(self._log.name).read_text(errors="replace")
 
     def start(self) -> "LaunchedServer":
-        cmd = [sys.executable, "launch.py", "--model", self.model_dir, "--device", "cpu", "--port", str(self.port),
-               *self.flags]
+        model = ["--model", self.model_dir] if self.model_dir else []
+        cmd = [sys.executable, "launch.py", *model, "--device", "cpu", "--port", str(self.port), *self.flags]
         self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
                                         preexec_fn=_die_with_pytest)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -85,7 +85,7 @@ class LaunchedServer:
 
 
 @contextlib.contextmanager
-def launched_server(model_dir: str | Path, *flags: str):
+def launched_server(model_dir: str | Path | None, *flags: str):
     server = LaunchedServer(model_dir, *flags).start()
     try:
         yield server
