@@ -30,14 +30,15 @@ def prompts(engine: Engine) -> list[list[int]]:
 
 
 def run(model_dir: str, device: str, dtype: str, backend: str, cuda_graph: bool = True):
-    engine = Engine(model_dir, device=device, dtype=dtype, kernel_backend=backend, max_total_tokens=8192,
-                    chunked_prefill_size=64, disable_cuda_graph=not cuda_graph, cuda_graph_max_bs=32)
-    params = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
-    batch = prompts(engine) * 4  # repeated prompts: the second copies hit the radix cache
-    start = time.perf_counter()
-    outs = [r.token_ids for r in engine.generate(batch, params)]
-    engine.scheduler.check_invariant()
-    return outs, time.perf_counter() - start
+    with Engine(model_dir, device=device, dtype=dtype, kernel_backend=backend, max_total_tokens=8192,
+                chunked_prefill_size=64, disable_cuda_graph=not cuda_graph, cuda_graph_max_bs=32) as engine:
+        params = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
+        batch = prompts(engine) * 4  # repeated prompts: the second copies hit the radix cache
+        start = time.perf_counter()
+        outs = [r.token_ids for r in engine.generate(batch, params)]
+        elapsed = time.perf_counter() - start
+        assert engine.server_info()["kv_invariant_ok"]
+    return outs, elapsed
 
 
 def compare(model_dir, cpu, gpu, label, t_cpu, t_gpu) -> int:

@@ -4,7 +4,7 @@ Real model shapes with dummy weights (greedy, EOS ignored, so every request gene
 
     python bench/offline_throughput.py --config qwen3-0.6b --tokenizer DIR [--groups 8 --per-group 32 ...]
 
-Prints, per mode: wall time, requests/s, input and output tokens/s, prompt tokens served from the cache, and
+Runs the multi-process Engine (scheduler and worker processes, as the server). Prints, per mode: wall time, requests/s, input and output tokens/s, prompt tokens served from the cache, and
 prefill tokens actually computed."""
 
 from __future__ import annotations
@@ -38,32 +38,28 @@ def workload(groups: int, per_group: int, system_len: int, question_len: int, vo
 
 
 def run(model_dir: str, prompts, output_len: int, **engine_args) -> dict:
-    engine = Engine(model_dir, load_format="dummy", **engine_args)
-    params = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
-    engine.generate(prompts[:4], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))  # warm-up
-    engine.scheduler.flush_cache()
-    stats_before = engine.scheduler.stats.prefill_tokens_computed
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    results = engine.generate(prompts, params)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    engine.scheduler.check_invariant()
+    with Engine(model_dir, load_format="dummy", **engine_args) as engine:
+        params = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
+        engine.generate(prompts[:4], SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))  # warm-up
+        assert engine.flush_cache()
+        before = engine.server_info()
+        start = time.perf_counter()
+        results = engine.generate(prompts, params)
+        elapsed = time.perf_counter() - start
+        after = engine.server_info()
+        assert after["kv_invariant_ok"]
     input_tokens = sum(r.prompt_tokens for r in results)
     output_tokens = sum(len(r.token_ids) for r in results)
-    out = {
+    return {
         "seconds": round(elapsed, 2),
         "requests_per_s": round(len(prompts) / elapsed, 2),
         "input_tok_per_s": round(input_tokens / elapsed),
         "output_tok_per_s": round(output_tokens / elapsed),
         "cached_prompt_tokens": sum(r.cached_tokens for r in results),
         "input_tokens": input_tokens,
-        "prefill_tokens_computed": engine.scheduler.stats.prefill_tokens_computed - stats_before,
-        "steps": engine.scheduler.stats.steps,
+        "prefill_tokens_computed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"],
+        "steps": after["steps"] - before["steps"],
     }
-    return out
 
 
 def main() -> None:

@@ -6,15 +6,13 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
 import zmq
 
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.ipc import Channel, Endpoints
 from radixserve.protocol import (AbortRequest, BatchOutput, FlushCacheRequest, FlushCacheResult, ForwardBatch,
-                                 RequestOutput, SampledTokens, SchedulerLoad, ServerInfo, ServerInfoRequest, Shutdown,
-                                 TokenizedRequest, TokenizerToScheduler, WorkerReady, WorkerToScheduler, pack_i32,
-                                 unpack_i32)
+                                 SampledTokens, SchedulerLoad, ServerInfo, ServerInfoRequest, Shutdown,
+                                 TokenizedRequest, TokenizerToScheduler, WorkerReady, WorkerToScheduler, unpack_i32)
 from scheduler_service.request import Req
 from scheduler_service.scheduler import KVInvariantError, Scheduler, StepOutput
 
@@ -126,16 +124,7 @@ class SchedulerProcess:
         usage = s.kv_usage()
         load = SchedulerLoad(len(s.running), len(s.waiting), usage["protected"] + usage["owned"],
                              usage["evictable"], usage["total"])
-        messages = []
-        for out in outputs:
-            req = out.req
-            first = len(req.output_ids) == len(out.new_token_ids)
-            messages.append(RequestOutput(
-                rid=req.rid, token_ids=pack_i32(out.new_token_ids), logprobs=out.new_logprobs,
-                finished=out.finished, finish_reason=req.finish_reason if out.finished else None,
-                matched_stop_token=req.matched_stop, error=req.error, prompt_tokens=len(req.prompt_ids),
-                completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens or 0,
-                queue_time=(req.admitted_time - req.arrival_time) if first and req.admitted_time else None))
+        messages = [out.to_message() for out in outputs]
         self.to_tokenizer.send(BatchOutput(messages, load))
 
     def shutdown(self) -> None:

@@ -22,7 +22,8 @@ import numpy as np
 from radixserve.cache.memory_pool import ReqPoolAllocator, TokenSlotAllocator
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.config import ServerArgs
-from radixserve.protocol import ForwardBatch, RowWrite, SampledTokens, WorkerRequest, pack_i32, unpack_i32
+from radixserve.protocol import (ForwardBatch, RequestOutput, RowWrite, SampledTokens, WorkerRequest, pack_i32,
+                                 unpack_i32)
 from scheduler_service.policy import order_waiting_queue
 from scheduler_service.request import Req, ReqStatus
 
@@ -36,6 +37,16 @@ class StepOutput:
     new_token_ids: list[int]
     new_logprobs: list = field(default_factory=list)
     finished: bool = False
+
+    def to_message(self) -> RequestOutput:
+        req = self.req
+        first = len(req.output_ids) == len(self.new_token_ids)
+        return RequestOutput(
+            rid=req.rid, token_ids=pack_i32(self.new_token_ids), logprobs=self.new_logprobs,
+            finished=self.finished, finish_reason=req.finish_reason if self.finished else None,
+            matched_stop_token=req.matched_stop, error=req.error, prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids), cached_tokens=req.cached_tokens or 0,
+            queue_time=(req.admitted_time - req.arrival_time) if first and req.admitted_time else None)
 
 
 @dataclass

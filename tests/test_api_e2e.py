@@ -307,8 +307,8 @@ def test_greedy_http_matches_engine_and_hf(server, client, model_name):
         completion = client.completions.create(model=model_name, prompt=prompt, max_tokens=max_new, **greedy())
         assert completion.choices[0].text == result["text"]
 
-    engine = Engine(str(MODEL_DIR), device="cpu")
-    engine_out = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=0))
+    with Engine(str(MODEL_DIR), device="cpu") as engine:
+        engine_out = engine.generate(prompts, SamplingParams(max_new_tokens=max_new, temperature=0))
     assert [r.token_ids for r in engine_out] == http_ids
 
     hf = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32).eval()

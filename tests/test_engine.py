@@ -22,10 +22,10 @@ def hf_greedy(model_dir, prompt_ids, max_new_tokens, ignore_eos=True):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_greedy_32_tokens_match_hf_generate(arch):
     model_dir = tiny_model_dir(arch)
-    engine = Engine(str(model_dir), device="cpu", max_total_tokens=2048)
     prompts = ["The quick brown fox", "Radix trees share prefixes", "1 2 3 4 5 6 7"]
     params = SamplingParams(temperature=0.0, max_new_tokens=32, ignore_eos=True)
-    results = engine.generate(prompts, params)
+    with Engine(str(model_dir), device="cpu", max_total_tokens=2048) as engine:  # scheduler + worker processes
+        results = engine.generate(prompts, params)
     for prompt, result in zip(prompts, results):
         ids = engine.tokenizer.encode(prompt)
         assert result.token_ids == hf_greedy(model_dir, ids, 32), prompt
@@ -35,7 +35,8 @@ def test_greedy_32_tokens_match_hf_generate(arch):
 
 @pytest.fixture(scope="module")
 def smollm2_engine():
-    return Engine(str(smollm2_dir()), device="cpu", max_total_tokens=4096)
+    with Engine(str(smollm2_dir()), device="cpu", max_total_tokens=4096) as engine:
+        yield engine
 
 
 def test_smollm2_chat_matches_hf_and_answers_paris(smollm2_engine):
@@ -59,7 +60,8 @@ def test_stop_strings_and_seeded_sampling(smollm2_engine):
     assert a.token_ids == b.token_ids, "same seed, same tokens"
     c = engine.generate(ids, SamplingParams(temperature=1.0, max_new_tokens=16, seed=99))
     assert c.token_ids != a.token_ids
-    engine.scheduler.check_invariant()
+    info = engine.server_info()
+    assert info["kv_invariant_ok"] and info["num_running"] == 0
 
 
 def test_logprobs_and_min_tokens(smollm2_engine):
@@ -72,3 +74,25 @@ def test_logprobs_and_min_tokens(smollm2_engine):
         top_ids = np.frombuffer(lp.top_ids, dtype=np.int32)
         assert len(top_ids) == 3 and top_ids[0] == token  # greedy picks the most likely token
         assert lp.logprob <= 0.0
+
+
+def test_tensor_parallel_engine_matches_single_rank():
+    """Engine with --tp-size 2 (two gloo worker processes) gives the single-rank greedy tokens."""
+    model_dir = str(tiny_model_dir("qwen2"))
+    prompts = ["Tensor parallel", "shards the heads"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+    with Engine(model_dir, device="cpu", max_total_tokens=1024) as one:
+        expected = [r.token_ids for r in one.generate(prompts, params)]
+    with Engine(model_dir, device="cpu", max_total_tokens=1024, tp_size=2) as two:
+        assert [r.token_ids for r in two.generate(prompts, params)] == expected
+        assert two.server_info()["tp_size"] == 2
+
+
+def test_bad_prompts_raise_before_anything_runs(smollm2_engine):
+    with pytest.raises(ValueError, match="maximum context length"):
+        smollm2_engine.generate("hi", SamplingParams(max_new_tokens=10**6))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        smollm2_engine.generate([1, 10**7], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="temperature"):
+        smollm2_engine.generate("hi", SamplingParams(temperature=-1.0))
+    assert smollm2_engine.generate("Hi", SamplingParams(max_new_tokens=2)).token_ids

@@ -4,7 +4,7 @@ outputs whatever the batching, prefix reuse, aborts in every state, no starvatio
 import numpy as np
 import pytest
 
-from radixserve.engine import Engine
+from radixserve.engine import InProcessEngine
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import tiny_model_dir
 from scheduler_service.request import Req
@@ -17,10 +17,10 @@ def model_dir():
     return tiny_model_dir("llama")
 
 
-def make_engine(model_dir, **kw) -> Engine:
+def make_engine(model_dir, **kw) -> InProcessEngine:
     kw.setdefault("max_total_tokens", 8192)
     kw.setdefault("max_running_requests", 64)
-    engine = Engine(str(model_dir), device="cpu", **kw)
+    engine = InProcessEngine(str(model_dir), device="cpu", **kw)
     engine.scheduler.check_invariant_every_step = True
     return engine
 
