@@ -1,0 +1,157 @@
+"""Serving benchmark through the HTTP server: chat-like traffic with long shared system prompts, streamed, with a
+bounded number of concurrent clients. Starts `launch.py` itself (dummy weights of a real shape) once per mode.
+
+    python bench/serving_bench.py --config qwen3-0.6b --tokenizer DIR [--requests 512 --concurrency 128 ...]
+
+Prints per mode: request throughput, output tokens/s, time to first token (mean, p50, p99), inter-token latency
+(mean, p99), and the share of prompt tokens served from the radix cache (usage.prompt_tokens_details)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# Run as a script, bench/ comes first on sys.path and bench/kernels.py would shadow the kernels package.
+sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from radixserve.testing.tiny_models import dummy_config_dir  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def workload(ns, vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    systems = [rng.integers(100, vocab - 100, ns.system_len).tolist() for _ in range(ns.groups)]
+    prompts = [systems[i % ns.groups] + rng.integers(100, vocab - 100, ns.question_len).tolist()
+               for i in range(ns.requests)]
+    return [prompts[i] for i in rng.permutation(len(prompts))]
+
+
+def start_server(model_dir: str, port: int, extra: list[str]) -> subprocess.Popen:
+    cmd = [sys.executable, str(REPO / "launch.py"), "--model", model_dir, "--load-format", "dummy", "--port",
+           str(port), *extra]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    token_times, usage = [], None
+    async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                token_times.append(time.perf_counter())
+    ttft = token_times[0] - start if token_times else float("nan")
+    itl = np.diff(token_times).tolist() if len(token_times) > 1 else []
+    return {"ttft": ttft, "itl": itl, "usage": usage, "end": time.perf_counter()}
+
+
+async def run_load(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    gate = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 8, max_keepalive_connections=concurrency + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def guarded(p):
+            async with gate:
+                return await one_request(client, url, model, p, output_len)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(guarded(p) for p in prompts))
+        elapsed = time.perf_counter() - start
+    ttfts = sorted(r["ttft"] for r in results)
+    itls = [x for r in results for x in r["itl"]]
+    completion = sum(r["usage"]["completion_tokens"] for r in results)
+    prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in results)
+    cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in results)
+    return {
+        "seconds": round(elapsed, 2),
+        "requests_per_s": round(len(prompts) / elapsed, 2),
+        "output_tok_per_s": round(completion / elapsed),
+        "ttft_mean_ms": round(1e3 * statistics.mean(ttfts), 1),
+        "ttft_p50_ms": round(1e3 * ttfts[len(ttfts) // 2], 1),
+        "ttft_p99_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
+        "itl_mean_ms": round(1e3 * statistics.mean(itls), 2) if itls else None,
+        "itl_p99_ms": round(1e3 * float(np.percentile(itls, 99)), 2) if itls else None,
+        "cached_prompt_share": round(cached / prompt_tokens, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", default="qwen3-0.6b")
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--requests", type=int, default=512)
+    parser.add_argument("--concurrency", type=int, default=128)
+    parser.add_argument("--groups", type=int, default=8)
+    parser.add_argument("--system-len", type=int, default=2048)
+    parser.add_argument("--question-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--server-args", default="", help="extra launch.py flags for every mode")
+    parser.add_argument("--json-out")
+    ns = parser.parse_args()
+    model_dir = str(dummy_config_dir(ns.config, ns.tokenizer))
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    prompts = workload(ns, vocab)
+    print(f"{ns.config} (dummy weights): {ns.requests} streamed requests, {ns.concurrency} concurrent clients, "
+          f"{ns.groups} system prompts of {ns.system_len} tokens + {ns.question_len}-token questions, "
+          f"{ns.output_len} output tokens each", flush=True)
+    rows = {}
+    for mode, flags in {"radix cache": [], "no cache": ["--disable-radix-cache"]}.items():
+        port = free_port()
+        server = start_server(model_dir, port, flags + ns.server_args.split())
+        try:
+            url = f"http://127.0.0.1:{port}"
+            asyncio.run(run_load(url, prompts[: min(16, len(prompts))], 8, 16))  # warm-up
+            httpx.post(f"{url}/flush_cache", timeout=30)
+            rows[mode] = asyncio.run(run_load(url, prompts, ns.output_len, ns.concurrency))
+            info = httpx.get(f"{url}/server_info", timeout=30).json()
+            rows[mode]["kv_invariant_ok_after"] = info.get("kv_invariant_ok")
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=30)
+        print(f"{mode:12s} {rows[mode]}", flush=True)
+    if ns.json_out:
+        Path(ns.json_out).write_text(json.dumps({"args": vars(ns), "results": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
