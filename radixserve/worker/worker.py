@@ -13,6 +13,7 @@ from radixserve.distributed import destroy_tensor_parallel, init_tensor_parallel
 from radixserve.ipc import Channel, Endpoints
 from radixserve.protocol import ForwardBatch, SchedulerToWorker, Shutdown, WorkerReady
 from radixserve.worker.model_runner import ModelRunner
+from radixserve.worker.profiler import StepProfiler
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,7 @@ def run_worker(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready,
                                   max_running_requests=args.max_running_requests))
     on_ready({"num_kv_slots": runner.num_kv_slots, "device": str(runner.device)})
     logger.info("rank %d ready: %d KV slots, context %d", rank, runner.num_kv_slots, runner.context_len)
+    profiler = StepProfiler(rank)
     while True:
         message = from_scheduler.recv()
         if isinstance(message, Shutdown):
@@ -40,4 +42,5 @@ def run_worker(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready,
         sampled = runner.forward(message)
         if rank == 0:
             to_scheduler.send(sampled)
+        profiler.step()
     destroy_tensor_parallel()
