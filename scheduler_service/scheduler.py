@@ -279,7 +279,9 @@ class Scheduler:
             return False
         for other in others:
             n = min(len(fill), len(other)) - 1
-            if n <= cached_len or n < IN_BATCH_PREFIX_MIN_TOKENS:
+            # Sharing more than the tree holds needs the token right after the cached part to match: an O(1) test
+            # that skips almost every pair (a batch of one chat group shares exactly the cached system prompt).
+            if n < IN_BATCH_PREFIX_MIN_TOKENS or n <= cached_len or other[cached_len] != fill[cached_len]:
                 continue
             mismatch = np.flatnonzero(fill[:n] != other[:n])
             common = int(mismatch[0]) if len(mismatch) else n
