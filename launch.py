@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(device {args.device}, tp {args.tp_size})", flush=True)
             dead = launcher.supervise()
         if dead is not None:
-            launcher.report_death(dead)
+            print(f"radixserve: {launcher.describe_death(dead)}\nradixserve: stopping the server", file=sys.stderr)
             exit_code = 1
     finally:
         launcher.stop()

@@ -115,24 +115,19 @@ class Launcher:
                 return dead
         return None
 
-    def report_death(self, child: Child) -> None:
+    def describe_death(self, child: Child) -> str:
+        """What happened to a dead child: how it exited and the error it reported, if any."""
         time.sleep(0.3)  # a failing child sends its traceback just before it exits
         self._read_inbox(0)
         code = child.process.poll()
         state = describe_exit(code) if code is not None else "reported a fatal error"
-        print(f"radixserve: {child.name} (pid {child.process.pid}) {state}; stopping the server", file=sys.stderr)
-        if child.failure:
-            print(f"radixserve: {child.name} error:\n{child.failure}", file=sys.stderr)
+        return f"{child.name} (pid {child.process.pid}) {state}" + (f":\n{child.failure}" if child.failure else "")
 
     def dead_child_message(self) -> str | None:
         """None while every child lives; otherwise what happened to the first dead one."""
         self._read_inbox(0)
         dead = self._dead_child()
-        if dead is None:
-            return None
-        code = dead.process.poll()
-        state = describe_exit(code) if code is not None else "reported a fatal error"
-        return f"{dead.name} (pid {dead.process.pid}) {state}" + (f":\n{dead.failure}" if dead.failure else "")
+        return None if dead is None else self.describe_death(dead)
 
     def stop(self) -> None:
         # The tokenizer first, so clients get an error instead of waiting on an engine that is going away.

@@ -380,25 +380,35 @@ async def collect(request: Request, group: RequestGroup):
 # ------------------------------------------------------------------------------------------- streams
 
 
+async def merged_outputs(group: RequestGroup) -> AsyncIterator[SequenceOutput]:
+    """The group's outputs as they arrive; what queued up meanwhile comes merged, one output per sequence."""
+    async for batch in group.stream():
+        for out in merge_outputs(batch):
+            yield out
+
+
+def error_event(out: SequenceOutput) -> bytes:
+    """An error in the middle of a stream: the OpenAI error object as an event, then the end of the stream."""
+    return sse(error_for_status(out.error, out.error_status).response_body()) + SSE_DONE
+
+
 async def completion_events(ctx: ServingContext, group: RequestGroup, request_id: str, created: int,
                             want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
     text_offsets: dict[int, int] = {}
-    async for batch in group.stream():
-        for out in merge_outputs(batch):
-            if out.error is not None:
-                yield sse(error_for_status(out.error, out.error_status).response_body())
-                yield SSE_DONE
-                return
-            if out.finish_reason == "abort" or not (out.text or out.finished or (want_logprobs and out.token_ids)):
-                continue
-            logprobs = None
-            if want_logprobs:
-                offset = text_offsets.get(out.index, 0)
-                logprobs = R.completion_logprobs(out.token_ids, out.logprobs, ctx.token_text, offset)
-                text_offsets[out.index] = offset + sum(len(t) for t in logprobs["tokens"])
-            yield sse(R.completion_chunk(request_id, created, ctx.model_name, out.index, out.text,
-                                         out.finish_reason, logprobs, include_usage,
-                                         out.matched_stop if out.finished else None))
+    async for out in merged_outputs(group):
+        if out.error is not None:
+            yield error_event(out)
+            return
+        if out.finish_reason == "abort" or not (out.text or out.finished or (want_logprobs and out.token_ids)):
+            continue
+        logprobs = None
+        if want_logprobs:
+            offset = text_offsets.get(out.index, 0)
+            logprobs = R.completion_logprobs(out.token_ids, out.logprobs, ctx.token_text, offset)
+            text_offsets[out.index] = offset + sum(len(t) for t in logprobs["tokens"])
+        yield sse(R.completion_chunk(request_id, created, ctx.model_name, out.index, out.text,
+                                     out.finish_reason, logprobs, include_usage,
+                                     out.matched_stop if out.finished else None))
     if include_usage:
         yield sse(R.completion_usage_chunk(request_id, created, ctx.model_name, group.usage()))
     yield SSE_DONE
@@ -410,18 +420,16 @@ async def chat_events(ctx: ServingContext, group: RequestGroup, request_id: str,
     for seq in group.sequences:
         yield sse(R.chat_chunk(request_id, created, ctx.model_name, seq.index, {"role": "assistant", "content": ""},
                                None, None, include_usage))
-    async for batch in group.stream():
-        for out in merge_outputs(batch):
-            if out.error is not None:
-                yield sse(error_for_status(out.error, out.error_status).response_body())
-                yield SSE_DONE
-                return
-            if out.finish_reason == "abort" or not (out.text or out.finished or (want_logprobs and out.token_ids)):
-                continue
-            logprobs = R.chat_logprobs(out.token_ids, out.logprobs, ctx.token_text) if want_logprobs else None
-            delta = {"content": out.text} if out.text or not out.finished else {}
-            yield sse(R.chat_chunk(request_id, created, ctx.model_name, out.index, delta, out.finish_reason,
-                                   logprobs, include_usage, out.matched_stop if out.finished else None))
+    async for out in merged_outputs(group):
+        if out.error is not None:
+            yield error_event(out)
+            return
+        if out.finish_reason == "abort" or not (out.text or out.finished or (want_logprobs and out.token_ids)):
+            continue
+        logprobs = R.chat_logprobs(out.token_ids, out.logprobs, ctx.token_text) if want_logprobs else None
+        delta = {"content": out.text} if out.text or not out.finished else {}
+        yield sse(R.chat_chunk(request_id, created, ctx.model_name, out.index, delta, out.finish_reason,
+                               logprobs, include_usage, out.matched_stop if out.finished else None))
     if include_usage:
         yield sse(R.chat_usage_chunk(request_id, created, ctx.model_name, group.usage()))
     yield SSE_DONE
@@ -434,25 +442,23 @@ async def generate_events(ctx: ServingContext, group: RequestGroup, request_id: 
     text = {i: "" for i in by_index}
     ids = {i: [] for i in by_index}
     logprobs = {i: [] for i in by_index}
-    async for batch in group.stream():
-        for out in merge_outputs(batch):
-            if out.error is not None:
-                yield sse(error_for_status(out.error, out.error_status).response_body())
-                yield SSE_DONE
-                return
-            if out.finish_reason == "abort":
-                continue
-            i = out.index
-            text[i] += out.text
-            ids[i] += out.token_ids
-            logprobs[i] += out.logprobs
-            if not (out.text or out.finished or out.token_ids):
-                continue
-            seq = by_index[i]
-            yield sse(R.native_result(request_id, i, text[i], ids[i], out.finish_reason, out.matched_stop,
-                                      len(seq.prompt_ids), seq.cached_tokens,
-                                      logprobs[i] if want_logprobs else None,
-                                      time.monotonic() - arrival if out.finished else None))
+    async for out in merged_outputs(group):
+        if out.error is not None:
+            yield error_event(out)
+            return
+        if out.finish_reason == "abort":
+            continue
+        i = out.index
+        text[i] += out.text
+        ids[i] += out.token_ids
+        logprobs[i] += out.logprobs
+        if not (out.text or out.finished or out.token_ids):
+            continue
+        seq = by_index[i]
+        yield sse(R.native_result(request_id, i, text[i], ids[i], out.finish_reason, out.matched_stop,
+                                  len(seq.prompt_ids), seq.cached_tokens,
+                                  logprobs[i] if want_logprobs else None,
+                                  time.monotonic() - arrival if out.finished else None))
     yield SSE_DONE
 
 

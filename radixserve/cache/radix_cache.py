@@ -95,25 +95,10 @@ class RadixCache:
         tokens = np.asarray(tokens, dtype=np.int32)
         if self.disable or len(tokens) == 0:
             return MatchResult(_EMPTY, self.root)
-        now = next(self._clock)
-        node = self.root
-        pos = 0
-        pieces = []
-        while pos < len(tokens):
-            child = node.children.get(int(tokens[pos]))
-            if child is None:
-                break
-            matched = _common_prefix_len(child.key, tokens[pos:])
-            if matched < len(child.key):
-                child = self._split(child, matched)
-            node = child
-            self._touch(node, now)
-            pieces.append(node.value)
-            # After a partial match the loop ends by itself: the split-off lower part is the only
-            # child and starts with the token that mismatched.
-            pos += matched
+        path, _ = self._walk(tokens)
+        node = path[-1] if path else self.root
         # Always a fresh array: the caller may write into it; the tree's values must not change.
-        slots = np.concatenate(pieces) if pieces else _EMPTY.copy()
+        slots = np.concatenate([n.value for n in path]) if path else _EMPTY.copy()
         return MatchResult(slots, node)
 
     def insert(self, tokens, slots) -> int:
@@ -132,24 +117,16 @@ class RadixCache:
             return 0
         if len(tokens) == 0:
             return 0
-        now = next(self._clock)
-        node = self.root
-        pos = 0
+        path, now = self._walk(tokens)
         duplicates = []
-        while pos < len(tokens):
-            child = node.children.get(int(tokens[pos]))
-            if child is None:
-                break
-            matched = _common_prefix_len(child.key, tokens[pos:])
-            if matched < len(child.key):
-                child = self._split(child, matched)
-            ours = slots[pos : pos + matched]
-            differ = ours != child.value
+        pos = 0
+        for node in path:
+            ours = slots[pos : pos + len(node)]
+            differ = ours != node.value
             if differ.any():
                 duplicates.append(ours[differ])
-            node = child
-            self._touch(node, now)
-            pos += matched
+            pos += len(node)
+        node = path[-1] if path else self.root
         already_cached = pos
         if pos < len(tokens):
             self._add_leaf(node, tokens[pos:].copy(), slots[pos:].copy(), now)
@@ -251,6 +228,26 @@ class RadixCache:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
+
+    def _walk(self, tokens: np.ndarray) -> tuple[list[TreeNode], int]:
+        """The nodes that tokens run through from the root, in order, each wholly matched: a node matched only in
+        part is split first. Every node on the path is touched for LRU. Returns the path and the access time."""
+        now = next(self._clock)
+        node, pos, path = self.root, 0, []
+        while pos < len(tokens):
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                break
+            matched = _common_prefix_len(child.key, tokens[pos:])
+            if matched < len(child.key):
+                child = self._split(child, matched)
+            node = child
+            self._touch(node, now)
+            path.append(node)
+            # After a partial match the loop ends by itself: the split-off lower part is the only child and
+            # starts with the token that mismatched.
+            pos += matched
+        return path, now
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut node after `at` tokens; returns the new upper part. The original object keeps the
