@@ -124,3 +124,16 @@ def test_mixed_batch_of_extends_and_decodes(setup, decode_last):
                 7: hf_logits(hf, fresh.tolist())[-1]}
     for i, row in enumerate(rows):
         assert rel_err(out[i], expected[row]) < 1e-4, row
+
+
+def test_linear_rope_scaling_matches_hf():
+    """The linear rope_scaling variant (positions divided by the factor), on a tiny Llama."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model_dir("llama", rope_scaling={"rope_type": "linear", "factor": 4.0})
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    runner = ModelRunner(ServerArgs(device="cpu", max_total_tokens=NUM_SLOTS, max_running_requests=8), model_dir)
+    assert runner.model_config.rope_scaling["rope_type"] == "linear"
+    ids = random_ids(300, 7)  # long enough for the scaled positions to matter
+    out = runner.compute_logits(batch([1], [0], [ids], [SlotPool(7).take(300)], [1]), all_positions=True)
+    assert rel_err(out, hf_logits(hf, ids.tolist())) < 1e-4
