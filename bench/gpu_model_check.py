@@ -29,9 +29,10 @@ def prompts(engine: Engine) -> list[list[int]]:
     return [engine.tokenizer.encode(t) for t in texts]
 
 
-def run(model_dir: str, device: str, dtype: str, backend: str, cuda_graph: bool = True):
+def run(model_dir: str, device: str, dtype: str, backend: str, cuda_graph: bool = True, tp_size: int = 1):
     with Engine(model_dir, device=device, dtype=dtype, kernel_backend=backend, max_total_tokens=8192,
-                chunked_prefill_size=64, disable_cuda_graph=not cuda_graph, cuda_graph_max_bs=32) as engine:
+                chunked_prefill_size=64, disable_cuda_graph=not cuda_graph, cuda_graph_max_bs=32,
+                tp_size=tp_size) as engine:
         params = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
         batch = prompts(engine) * 4  # repeated prompts: the second copies hit the radix cache
         start = time.perf_counter()
@@ -56,6 +57,7 @@ def compare(model_dir, cpu, gpu, label, t_cpu, t_gpu) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dirs", nargs="+", required=True)
+    parser.add_argument("--tp-size", type=int, default=1, help="GPU runs with this many ranks (NCCL)")
     ns = parser.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
@@ -63,10 +65,10 @@ def main() -> int:
     for model_dir in ns.model_dirs:
         cpu, t_cpu = run(model_dir, "cpu", "float32", "reference")
         for graphs in (True, False):
-            gpu, t_gpu = run(model_dir, "cuda", "float32", "triton", cuda_graph=graphs)
-            failures += compare(model_dir, cpu, gpu, f"GPU Triton ({'CUDA graphs' if graphs else 'eager'})",
-                                t_cpu, t_gpu)
-        bf16, _ = run(model_dir, "cuda", "bfloat16", "triton")
+            gpu, t_gpu = run(model_dir, "cuda", "float32", "triton", cuda_graph=graphs, tp_size=ns.tp_size)
+            label = f"GPU Triton, TP={ns.tp_size} ({'CUDA graphs' if graphs else 'eager'})"
+            failures += compare(model_dir, cpu, gpu, label, t_cpu, t_gpu)
+        bf16, _ = run(model_dir, "cuda", "bfloat16", "triton", tp_size=ns.tp_size)
         agree = sum(x == y for a, b in zip(cpu, bf16) for x, y in zip(a, b)) / sum(len(a) for a in cpu)
         print(f"  bf16 Triton vs fp32 CPU: {agree:.1%} of tokens agree (informative; bf16 rounding flips near-ties)")
     print(f"kernel backend used on cuda: {kernels.get_backend()}")

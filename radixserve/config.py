@@ -66,6 +66,8 @@ class ServerArgs:
     def __post_init__(self):
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
+        if self.nnodes != 1 or self.node_rank != 0:
+            raise ValueError("multi-node tensor parallelism (--nnodes > 1) is not implemented yet")
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
