@@ -145,8 +145,8 @@ class Choice:
 
 
 @dataclass
-class ChatResult:
-    """A /v1/chat/completions answer; `text` and `finish_reason` are the first choice's."""
+class CompletionResult:
+    """A /v1/completions answer; `text` and `finish_reason` are the first choice's."""
     text: str
     finish_reason: str | None
     usage: Usage
@@ -157,15 +157,8 @@ class ChatResult:
 
 
 @dataclass
-class CompletionResult:
-    """A /v1/completions answer; `text` and `finish_reason` are the first choice's."""
-    text: str
-    finish_reason: str | None
-    usage: Usage
-    choices: list[Choice]
-    model: str | None = None
-    id: str | None = None
-    raw: dict = field(default_factory=dict, repr=False)
+class ChatResult(CompletionResult):
+    """A /v1/chat/completions answer; `text` and `finish_reason` are the first choice's."""
 
 
 @dataclass
