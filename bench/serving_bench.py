@@ -19,7 +19,6 @@ import asyncio  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -28,15 +27,11 @@ import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 
+from radixserve.launcher import free_port  # noqa: E402
 from radixserve.testing.tiny_models import dummy_config_dir  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def workload(ns, vocab: int) -> list[list[int]]:

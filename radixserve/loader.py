@@ -91,6 +91,8 @@ def load_dummy(model: nn.Module, seed: int) -> None:
     """Random weights of a realistic scale: norms near 1, matrices with small entries (no NaN/inf in bf16)."""
     gens: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
-        gen = gens.setdefault(param.device, torch.Generator(device=param.device).manual_seed(seed))
+        if param.device not in gens:
+            gens[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+        gen = gens[param.device]
         values = torch.randn(param.shape, generator=gen, dtype=torch.float32, device=param.device)
         param.data.copy_(1.0 + 0.1 * values if "norm" in name else 0.02 * values)

@@ -3,7 +3,6 @@ server down loudly (non-zero exit naming the worker) without leaving any client 
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,14 +13,10 @@ import httpx
 import pytest
 
 from radixserve.testing.tiny_models import tiny_model_dir
+from radixserve.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def children_of(pid: int) -> dict[int, str]:

@@ -1,7 +1,6 @@
 """Tensor parallelism on the CPU (gloo): TP=2 and TP=4 ranks compute the same logits as one rank. TP=4 with 2 KV
 heads exercises KV-head replication; qwen2 exercises sharded QKV biases; llama its tied, vocab-parallel LM head."""
 
-import socket
 
 import numpy as np
 import pytest
@@ -12,12 +11,8 @@ from radixserve.config import ServerArgs
 from radixserve.protocol import ForwardBatch, WorkerRequest, pack_i32
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import tiny_model_dir
+from radixserve.launcher import free_port
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_batch() -> ForwardBatch:
