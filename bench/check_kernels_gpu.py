@@ -1,8 +1,8 @@
 """Correctness of the Triton kernels against their torch references.
 
-    python bench/check_kernels_gpu.py                       # full set on the GPU (lengths up to 4,100, batch up to 256)
-    python bench/check_kernels_gpu.py --out bench/results/kernels-check-h100.md
-    python bench/check_kernels_gpu.py --interpret --small   # CPU, TRITON_INTERPRET=1 (what CI runs)
+    python -m bench.check_kernels_gpu                       # full set on the GPU (lengths up to 4,100, batch up to 256)
+    python -m bench.check_kernels_gpu --out bench/results/kernels-check-h100.md
+    python -m bench.check_kernels_gpu --interpret --small   # CPU, TRITON_INTERPRET=1 (what CI runs)
 
 Every case draws fresh random inputs (never zeros), scatters the KV slots at random over a cache
 larger than needed, fills the unused part of req_to_token with plausible-but-wrong slots, and
@@ -15,10 +15,8 @@ import os
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Run as a script, bench/ comes first on sys.path and bench/kernels.py would shadow the kernels package.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-sys.path.insert(0, ROOT)
+from bench.run_record import command_line
+
 
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 ELEMENTWISE_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
@@ -276,8 +274,7 @@ def main():
     import triton
     header = (f"# Triton kernels vs torch reference: {name}\n\n"
               f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"`python bench/check_kernels_gpu.py{' --interpret' if args.interpret else ''}"
-              f"{' --small' if args.small else ''}`, {elapsed:.0f} s")
+              f"`{command_line()}`, {elapsed:.0f} s")
     failed = [r for r in check.rows if not r[-1]]
     print(f"\n{len(check.rows) - len(failed)}/{len(check.rows)} cases pass in {elapsed:.1f} s (seed {args.seed})")
     if args.out:

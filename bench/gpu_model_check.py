@@ -1,16 +1,10 @@
 """On the GPU: the model runner uses the Triton kernels and its greedy output matches the CPU reference run token
 for token (tiny models, fp32), then a bf16 run for sanity. Prints a table; exits non-zero on a mismatch.
 
-    python bench/gpu_model_check.py [--model-dirs DIR ...]
+    python -m bench.gpu_model_check [--model-dirs DIR ...]
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# Run as a script, bench/ comes first on sys.path and bench/kernels.py would shadow the kernels package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import sys

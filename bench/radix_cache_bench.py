@@ -7,23 +7,17 @@ each timed query is a 4,096-token prompt doing what the scheduler does on admiss
 Half the queries continue an existing conversation (hit = system prompt + old suffix), half start a
 new one (hit = system prompt only). Eviction is timed separately as evict(4096) on the full tree.
 
-    python bench/radix_cache_bench.py [--num-seqs 10000] [--reps 2000]
+    python -m bench.radix_cache_bench [--num-seqs 10000] [--reps 2000]
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-# Run as a script, bench/ comes first on sys.path and bench/kernels.py would shadow the kernels package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
 
 import argparse
 import time
 
 import numpy as np
 
-from radixserve.cache.memory_pool import TokenSlotAllocator
+from radixserve.cache.slot_allocator import TokenSlotAllocator
 from radixserve.cache.radix_cache import RadixCache
 
 VOCAB = 32000

@@ -1,34 +1,34 @@
 """Serving benchmark through the HTTP server: chat-like traffic with long shared system prompts, streamed, with a
 bounded number of concurrent clients. Starts `launch.py` itself (dummy weights of a real shape) once per mode.
 
-    python bench/serving_bench.py --config qwen3-0.6b --tokenizer DIR [--requests 512 --concurrency 128 ...]
+    python -m bench.serving_bench --config qwen3-0.6b --tokenizer DIR [--requests 512 --concurrency 128 --repeats 3]
 
 Prints per mode: request throughput, output tokens/s, time to first token (mean, p50, p99), inter-token latency
-(mean, p99), and the share of prompt tokens served from the radix cache (usage.prompt_tokens_details)."""
+(mean, p99), and the share of prompt tokens served from the radix cache (usage.prompt_tokens_details); each figure
+is the median of --repeats runs on one warmed-up server (cache flushed before each) with its spread."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
-# Run as a script, bench/ comes first on sys.path and bench/kernels.py would shadow the kernels package.
-sys.path[0] = str(Path(__file__).resolve().parents[1])
+import aiohttp
+import httpx
+import numpy as np
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import signal  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
+from radixserve.launcher import free_port
+from radixserve.testing.tiny_models import dummy_config_dir
 
-import aiohttp  # noqa: E402
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-
-from radixserve.launcher import free_port  # noqa: E402
-from radixserve.testing.tiny_models import dummy_config_dir  # noqa: E402
+from bench.run_record import check_repeats, run_record, summarize_rows
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -45,11 +45,13 @@ def workload(ns, vocab: int) -> list[list[int]]:
 def start_server(model_dir: str, port: int, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, str(REPO / "launch.py"), "--model", model_dir, "--load-format", "dummy", "--port",
            str(port), *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The server's log goes to a file: an unread pipe would fill up and stall the server mid-benchmark.
+    log = tempfile.NamedTemporaryFile(prefix="radixserve-serving-bench-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {proc.stderr.read()[-3000:]}")
+            raise RuntimeError(f"server exited: {Path(log.name).read_text(errors='replace')[-3000:]}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return proc
@@ -125,8 +127,12 @@ def main() -> None:
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--server-args", default="", help="extra launch.py flags for every mode")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode (>= 3); figures are medians")
     parser.add_argument("--json-out")
     ns = parser.parse_args()
+    check_repeats(ns.repeats)
+    record = run_record()
+    print(f"{record['date']}  {record['gpu']}  {record['command']}  (commit {record['git_commit']})", flush=True)
     model_dir = str(dummy_config_dir(ns.config, ns.tokenizer))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompts = workload(ns, vocab)
@@ -141,16 +147,20 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             # Warm-up on the same prompts: every Triton kernel variant gets compiled before the clock starts.
             asyncio.run(run_load(url, prompts, 4, ns.concurrency))
-            httpx.post(f"{url}/flush_cache", timeout=30)
-            rows[mode] = asyncio.run(run_load(url, prompts, ns.output_len, ns.concurrency))
-            info = httpx.get(f"{url}/server_info", timeout=30).json()
-            rows[mode]["kv_invariant_ok_after"] = info.get("kv_invariant_ok")
+            runs = []
+            for _ in range(ns.repeats):
+                assert httpx.post(f"{url}/flush_cache", timeout=30).json()["success"]
+                runs.append(asyncio.run(run_load(url, prompts, ns.output_len, ns.concurrency)))
+                runs[-1]["kv_invariant_ok_after"] = httpx.get(f"{url}/server_info", timeout=30).json()["kv_invariant_ok"]
+            rows[mode] = summarize_rows(runs)
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=30)
-        print(f"{mode:12s} {rows[mode]}", flush=True)
+        print(f"{mode:12s} " + ", ".join(
+            f"{k} {v['median']:g} (spread {v['spread_pct']:g}%)" if isinstance(v, dict) else f"{k} {v}"
+            for k, v in rows[mode].items()), flush=True)
     if ns.json_out:
-        Path(ns.json_out).write_text(json.dumps({"args": vars(ns), "results": rows}, indent=2))
+        Path(ns.json_out).write_text(json.dumps({**record, "args": vars(ns), "results": rows}, indent=2))
 
 
 if __name__ == "__main__":

@@ -85,6 +85,32 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
                                         sm_scale, max_seq_len)
 
 
+def _shared_prefix_impl(tensor):
+    if _backend == "reference" or (_backend == "auto" and not tensor.is_cuda):
+        return reference
+    from kernels import shared_prefix_attention
+    return shared_prefix_attention
+
+
+def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
+                             group_prefix_lens, group_prefix_rows, group_member_start, group_members,
+                             req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len, max_group_size):
+    """decode_attention that reads each group's shared prefix K/V once for all its members; o in place.
+
+    Group g's members, group_members[group_member_start[g]:group_member_start[g + 1]] (batch indices),
+    share context positions [0, group_prefix_lens[g]), read through req_to_token[group_prefix_rows[g]].
+    req_group [B] is each request's group (-1: none) and req_suffix_start [B] where its own positions
+    begin (its group's prefix length, or 0; below seq_len). Ungrouped requests get plain decode
+    attention, and a batch with no group takes decode_attention itself. The host ints bound the
+    suffixes (max_seq_len), prefixes and group sizes and fix the grids (constants under CUDA graphs;
+    pad the group table with empty groups). All index tensors int32. See kernels/shared_prefix_attention.py.
+    """
+    _shared_prefix_impl(q).decode_attention_grouped(
+        q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, group_prefix_lens, group_prefix_rows,
+        group_member_start, group_members, req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len,
+        max_group_size)
+
+
 def rmsnorm(x, weight, eps, residual=None):
     """x * rsqrt(mean(x^2) + eps) * weight in fp32; with residual returns (norm(x + residual), x + residual)."""
     return _elementwise_impl(x).rmsnorm(x, weight, eps, residual)
@@ -104,4 +130,4 @@ def silu_and_mul(x):
 
 
 __all__ = ["BACKENDS", "set_backend", "get_backend", "store_kv", "extend_attention", "decode_attention",
-           "rmsnorm", "rope", "silu_and_mul"]
+           "decode_attention_grouped", "rmsnorm", "rope", "silu_and_mul"]

@@ -110,3 +110,68 @@ def rope(q, k, positions, cos_sin_cache):
 def silu_and_mul(x):
     inter = x.shape[-1] // 2
     return (F.silu(x[..., :inter].float()) * x[..., inter:].float()).to(x.dtype)
+
+
+def _attend_with_lse(q, keys, values, valid, sm_scale):
+    """q [B, Hkv, R, D] over keys/values [B, Hkv, L, D] where valid [B, L]: fp32 (out, natural-log lse).
+
+    Rows with no valid key get out 0 and lse -inf, so they weigh nothing in a merge.
+    """
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * sm_scale  # [B, Hkv, R, L]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, R]
+    probs = torch.exp(scores - lse.clamp_min(torch.finfo(torch.float32).min)[..., None])
+    return torch.matmul(probs, values), lse
+
+
+def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
+                             group_prefix_lens, group_prefix_rows, group_member_start, group_members,
+                             req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len, max_group_size):
+    """decode_attention, with each group's shared prefix gathered and attended once for all its members.
+
+    Same three steps as kernels/shared_prefix_attention.py: every group's members (x their GQA heads)
+    attend its prefix together, every request attends its own positions [suffix_start, seq_len), and
+    the two softmaxes are merged by their log-sum-exps.
+    """
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    group = hq // hkv
+    if bsz == 0:
+        return
+    qf = q.float().reshape(bsz, hkv, group, d)
+
+    # Own positions of every request, padded to the longest suffix as in decode_attention.
+    starts = req_suffix_start.long()
+    own = seq_lens.long() - starts
+    width = int(own.max().item())
+    offsets = torch.arange(width, device=q.device)
+    valid = offsets[None, :] < own[:, None]
+    positions = torch.where(valid, starts[:, None] + offsets[None, :], torch.zeros_like(offsets)[None, :])
+    slots = req_to_token[req_pool_indices.long()[:, None], positions].long()
+    slots = torch.where(valid, slots, torch.zeros_like(slots))
+    keys = k_cache[slots].float().permute(0, 2, 1, 3)  # [B, Hkv, L, D]
+    values = v_cache[slots].float().permute(0, 2, 1, 3)
+    suffix_out, suffix_lse = _attend_with_lse(qf, keys, values, valid, sm_scale)
+
+    # Each group's prefix: one gather of its K/V, one matmul for all members' query rows.
+    prefix_out = torch.zeros_like(suffix_out)
+    prefix_lse = torch.full_like(suffix_lse, float("-inf"))
+    bounds = group_member_start.tolist()
+    for g, (prefix_len, row) in enumerate(zip(group_prefix_lens.tolist(), group_prefix_rows.tolist())):
+        members = group_members[bounds[g]:bounds[g + 1]].long()
+        if prefix_len == 0 or members.numel() == 0:
+            continue
+        pslots = req_to_token[row, :prefix_len].long()
+        pkeys = k_cache[pslots].float().permute(1, 0, 2)[None]  # [1, Hkv, P, D]
+        pvalues = v_cache[pslots].float().permute(1, 0, 2)[None]
+        rows = qf[members].permute(1, 0, 2, 3).reshape(1, hkv, members.numel() * group, d)
+        out, lse = _attend_with_lse(rows, pkeys, pvalues, torch.ones(1, prefix_len, dtype=torch.bool,
+                                                                       device=q.device), sm_scale)
+        prefix_out[members] = out.reshape(hkv, members.numel(), group, d).permute(1, 0, 2, 3)
+        prefix_lse[members] = lse.reshape(hkv, members.numel(), group).permute(1, 0, 2)
+
+    top = torch.maximum(suffix_lse, prefix_lse)
+    w_suffix = torch.exp(suffix_lse - top)[..., None]
+    w_prefix = torch.exp(prefix_lse - top)[..., None]
+    out = (suffix_out * w_suffix + prefix_out * w_prefix) / (w_suffix + w_prefix)
+    o.copy_(out.reshape(bsz, hq, d).to(o.dtype))

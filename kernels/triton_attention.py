@@ -10,7 +10,7 @@ per score. Accumulation is fp32; for fp32 inputs the dots are asked for IEEE pre
 Triton would otherwise use tf32 and miss the 1e-4 tolerance.
 
 Block sizes, warps, stages and the decode split policy were chosen by the sweeps of
-bench/kernels.py on an H100 (bench/results/kernels-h100*.md).
+bench/kernel_bench.py on an H100 (bench/results/kernels-h100*.md).
 """
 
 import torch
@@ -183,7 +183,7 @@ def _sm_count(device):
     return _SM_COUNT[idx]
 
 
-# Tuned on the H100 (bench/kernels.py). fp32 takes narrower blocks: its IEEE dots run on FMA units
+# Tuned on the H100 (bench/kernel_bench.py). fp32 takes narrower blocks: its IEEE dots run on FMA units
 # and hold their operands in registers. The interpreter only cares that blocks are small.
 DECODE_CONFIG = {
     "16bit": {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2},
@@ -338,7 +338,7 @@ def _extend_kernel(Q, K, V, O, K_cache, V_cache, Req_to_token, Req_pool_indices,
     tl.store(o_ptrs, out, mask=row_ok[:, None] & dim_ok[None, :])
 
 
-# Per (dtype width, head_dim) on the GPU; chosen by the sweep in bench/kernels.py.
+# Per (dtype width, head_dim) on the GPU; chosen by the sweep in bench/kernel_bench.py.
 EXTEND_CONFIG = {
     "16bit": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
     "16bit_small_d": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},

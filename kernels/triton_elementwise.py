@@ -2,7 +2,7 @@
 
 Each reads its inputs once and writes its outputs once; the math is fp32 in registers. Their value
 over plain torch is fusion (torch runs add, square, mean, rsqrt, mul, mul as separate passes);
-bench/kernels.py compares them with eager torch and torch.compile.
+bench/kernel_bench.py compares them with eager torch and torch.compile.
 """
 
 import torch

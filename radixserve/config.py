@@ -1,16 +1,20 @@
-"""Every server flag in one place (ServerArgs) and the model shape read from an HF config.json (ModelConfig)."""
+"""Every server flag in one place (ServerArgs) and the model shape read from an HF config.json (ModelConfig).
+
+torch is imported only inside the functions that need it: the HTTP process parses these flags too, and loading
+torch there would cost it ~1 s of startup and hundreds of MB for nothing.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 def _flag(default, help: str, **kw):
@@ -34,7 +38,19 @@ class ServerArgs:
     tp_size: int = _flag(1, "Tensor-parallel degree (one worker process per rank).")
     nnodes: int = _flag(1, "Number of nodes for multi-node tensor parallelism.")
     node_rank: int = _flag(0, "This node's rank among --nnodes.")
-    dist_init_addr: str | None = _flag(None, "host:port of the torch.distributed rendezvous (multi-node).")
+    dp_size: int = _flag(1, "Data-parallel replicas: scheduler + --tp-size workers each, with its own radix cache, "
+                            "behind the one front end.")
+    load_balance_method: str = _flag("cache_aware", "How the front end picks a replica (--dp-size > 1): cache_aware "
+                                                    "(longest cached prefix, unless load is too uneven) | round_robin "
+                                                    "| shortest_queue.",
+                                     choices=["cache_aware", "round_robin", "shortest_queue"])
+    base_gpu_id: int = _flag(0, "First GPU to use; replica i's rank r runs on GPU base + i * tp_size + r.")
+    dist_init_addr: str | None = _flag(None, "host:port of the torch.distributed rendezvous (multi-node); node 0 "
+                                             "also binds the next ports for its links to the other nodes.")
+    dist_timeout: float | None = _flag(None, "Multi-node: seconds a node may take to join, and may go silent before "
+                                             "the server stops (default 600 to join, 30 silent).")
+    dist_secret_file: str | None = _flag(None, "Multi-node: file whose first line is the secret every node shares "
+                                               "(else $RADIXSERVE_DIST_SECRET); links between nodes need it.")
     # Memory
     max_total_tokens: int | None = _flag(None, "KV cache size in tokens (default: from --mem-fraction-static on GPU, "
                                                "16384 on CPU).")
@@ -44,6 +60,8 @@ class ServerArgs:
     chunked_prefill_size: int | None = _flag(None, "Most new prompt tokens per step (default 8192 on GPU, 512 on CPU; "
                                                    "-1 disables chunking).")
     disable_mixed_batch: bool = _flag(False, "Do not mix prefill chunks with decodes in one forward.")
+    disable_overlap_schedule: bool = _flag(False, "Build and send step N+1 only after step N's tokens are back "
+                                                  "(serial loop; by default N+1 is built while N runs).")
     disable_radix_cache: bool = _flag(False, "No prefix reuse (ablation).")
     schedule_policy: str = _flag("lpm", "lpm (longest cached prefix first) | fcfs.", choices=["lpm", "fcfs"])
     max_wait_steps: int = _flag(64, "A waiting request older than this many steps goes first (no starvation).")
@@ -55,19 +73,49 @@ class ServerArgs:
                                 choices=["auto", "triton", "reference"])
     disable_cuda_graph: bool = _flag(False, "Run decode steps eagerly instead of replaying captured CUDA graphs.")
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph (larger ones run eagerly).")
+    disable_shared_prefix_attention: bool = _flag(False, "Read every decode's whole KV on its own, instead of "
+                                                         "reading a prefix that decodes share once for all (ablation).")
+    shared_prefix_min_tokens: int = _flag(512, "Shortest shared prefix for which decodes read it together (the kernel "
+                                               "breaks even at about 256 tokens and gains from 512 on an H100).")
     # HTTP
     host: str = _flag("127.0.0.1", "Address to bind (loopback by default).")
     port: int = _flag(30000, "HTTP port.")
-    api_key: str | None = _flag(None, "If set, every route but /health wants 'Authorization: Bearer <key>'.")
+    api_key: str | None = _flag(None, "If set, every route but /health wants 'Authorization: Bearer <key>'. "
+                                      "Visible in ps: prefer $RADIXSERVE_API_KEY or --api-key-file.")
+    api_key_file: str | None = _flag(None, "Read the API key from this file (first line), instead of --api-key.")
     max_request_bytes: int = _flag(8 * 1024 * 1024, "Largest accepted request body (413 above).")
     max_queued_requests: int = _flag(4096, "Most requests in flight before 503 + Retry-After.")
+    max_header_bytes: int = _flag(64 * 1024, "Largest accepted request line + headers (431 above).")
+    tokenizer_workers: int = _flag(2, "Threads that tokenize prompts and render chat templates, off the HTTP event "
+                                      "loop (a huge prompt does not stall other clients).")
+    allowed_origins: str | None = _flag(None, "Comma-separated browser origins allowed to call the API (CORS), e.g. "
+                                              "http://localhost:5173; '*' for any. Default: none (CORS off).")
+    allowed_hosts: str | None = _flag(None, "Comma-separated extra Host names accepted without --api-key (the bound "
+                                            "address and localhost always are; '*' for any). Blocks DNS rebinding.")
     log_level: str = _flag("info", "Logging level.")
+    # Structured outputs and tool calls
+    grammar_backend: str = _flag("xgrammar", "xgrammar|none: constrained decoding (response_format, regex, ebnf, "
+                                             "tool_choice required/named); none refuses such requests with a 400.",
+                                 choices=["xgrammar", "none"])
+    tool_call_parser: str = _flag("auto", "Tool-call format of the model: auto (from the chat template) | qwen | "
+                                          "qwen25 | qwen3 | hermes | llama3.",
+                                  choices=["auto", "qwen", "qwen25", "qwen3", "hermes", "llama3"])
+    # Supervision
+    watchdog_timeout: float | None = _flag(None, "Seconds a busy worker or scheduler may go without progress before "
+                                                 "the server fails its requests and exits (default 300; "
+                                                 "0 disables). The first batch after startup is not timed.")
 
     def __post_init__(self):
         if self.tp_size < 1:
             raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
-        if self.nnodes != 1 or self.node_rank != 0:
-            raise ValueError("multi-node tensor parallelism (--nnodes > 1) is not implemented yet")
+        if self.dp_size < 1:
+            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError("--dp-size > 1 with --nnodes > 1 is not supported: run one server per node group and "
+                             "put sglang-router in front")
+        if self.nnodes > 1 or self.node_rank != 0:
+            from radixserve.node_link import check_multi_node_args  # the multi-node rules live with the links
+            check_multi_node_args(self)
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests < 1:
@@ -76,23 +124,26 @@ class ServerArgs:
             raise ValueError(f"--max-total-tokens must be >= 2, got {self.max_total_tokens}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("--chunked-prefill-size must be positive or -1 (no chunking)")
+        if self.shared_prefix_min_tokens < 1:
+            raise ValueError(f"--shared-prefix-min-tokens must be >= 1, got {self.shared_prefix_min_tokens}")
+        if self.tokenizer_workers < 1:
+            raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"--max-header-bytes must be >= 1024, got {self.max_header_bytes}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port out of range: {self.port}")
         if self.device == "auto":
+            import torch  # only where the device is still open: the launcher resolves it before the children start
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = 8192 if self.device == "cuda" else 512
 
     @property
-    def torch_dtype(self) -> torch.dtype:
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
         if self.dtype == "auto":
             return torch.bfloat16 if self.device == "cuda" else torch.float32
         return getattr(torch, self.dtype)
-
-    @property
-    def prefill_chunk_tokens(self) -> int:
-        """Most new tokens one step may compute; a huge number stands for 'no chunking'."""
-        if self.chunked_prefill_size is None:
-            return 8192 if self.device == "cuda" else 512
-        return self.chunked_prefill_size if self.chunked_prefill_size > 0 else 1 << 60
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -134,7 +185,7 @@ class ModelConfig:
     attention_bias: bool
     eos_token_ids: list[int]
     bos_token_id: int | None
-    dtype: torch.dtype
+    dtype: str  # the checkpoint's dtype name ("bfloat16"); torch_dtype gives the torch object
     hidden_act: str = "silu"
 
     @classmethod
@@ -179,9 +230,14 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
-            dtype=getattr(torch, dtype_name) if isinstance(dtype_name, str) else torch.float32,
+            dtype=dtype_name if isinstance(dtype_name, str) else "float32",
             hidden_act=cfg.get("hidden_act", "silu"),
         )
+
+    @property
+    def torch_dtype(self) -> "torch.dtype":
+        import torch
+        return getattr(torch, self.dtype)
 
     def check_tp(self, tp_size: int) -> None:
         for name, n in (("attention heads", self.num_heads), ("intermediate size", self.intermediate_size)):
@@ -196,7 +252,3 @@ class ModelConfig:
 
     def context_len(self, override: int | None = None) -> int:
         return override or self.max_position_embeddings
-
-
-def round_up(x: int, multiple: int) -> int:
-    return math.ceil(x / multiple) * multiple

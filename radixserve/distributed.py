@@ -12,7 +12,8 @@ _tp_size = 1
 
 
 def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: str) -> None:
-    """Join the TP group. init_method is a torch.distributed URL, e.g. tcp://127.0.0.1:29500."""
+    """Join the TP group. init_method is a torch.distributed URL: file://<private dir>/dist_store on one node (the
+    launcher's default: a TCPStore would listen on every interface), tcp://host:port with --dist-init-addr."""
     global _tp_rank, _tp_size
     _tp_rank, _tp_size = rank, world_size
     if world_size == 1:

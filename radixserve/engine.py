@@ -1,9 +1,11 @@
 """Offline generation without HTTP (like nano-vllm's LLM.generate).
 
-`Engine` starts the same scheduler and worker processes as the server (tensor parallelism included) and takes the
-tokenizer process's place on the sockets. `InProcessEngine` runs the scheduler and one model runner inside this
-process: no sockets, direct access to the scheduler (tests, benchmarks of the scheduler, debugging).
-Both share the generation loop: tokenize, queue every request at once, detokenize as tokens arrive, stop strings."""
+`Engine` starts the same scheduler and worker processes as the server (tensor parallelism included), by module name
+through radixserve.launcher, and takes the tokenizer process's place on the sockets. `InProcessEngine`
+(scheduler_service/in_process_engine.py, so that this library imports no service) runs the scheduler and one model
+runner inside the calling process. Both share EngineBase's generation loop: tokenize, validate, queue every request
+at once, and run each output through the request's RequestPipeline (radixserve/request_pipeline.py), the same code
+the HTTP server runs."""
 
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from tqdm import tqdm
 
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.launcher import resolve_model_dir
-from radixserve.protocol import RequestOutput, TokenLogprobs, unpack_i32
+from radixserve.protocol import RequestOutput, TokenLogprobs
+from radixserve.request_pipeline import RequestPipeline, SequenceResult
+from radixserve.request_validation import check_request
 from radixserve.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -42,7 +46,7 @@ def load_tokenizer(path: str | Path):
     return AutoTokenizer.from_pretrained(str(path))
 
 
-class _EngineBase:
+class EngineBase:
     """The generation loop; subclasses provide _submit, _abort and _next_outputs."""
 
     def __init__(self, model: str | None, server_args: dict):
@@ -73,9 +77,8 @@ class _EngineBase:
                  sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
                  use_tqdm: bool = False) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (returns one result) or a list (returns a list, in order). Prompts are text or
-        token ids; every request is queued at once and runs with continuous batching."""
-        from tokenizer_service.detokenizer import IncrementalDetokenizer
-
+        token ids; every request is queued at once and runs with continuous batching. Raises ValueError
+        (request_validation.InvalidRequest) for a bad request before anything is queued."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         prompt_list = [prompts] if single else list(prompts)
         params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
@@ -84,114 +87,51 @@ class _EngineBase:
             raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} sampling params")
         jobs = [self._prepare(prompt, params) for prompt, params in zip(prompt_list, params_list)]
 
-        states: dict[str, _Generation] = {}
-        for ids, params in jobs:
+        pipelines = {}
+        for index, (ids, params) in enumerate(jobs):
             rid = f"engine-{self._prefix}-{next(self._ids)}"
-            detok = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens, params.stop,
-                                           params.include_stop_str_in_output)
-            states[rid] = _Generation(len(ids), detok)
-            self._submit(rid, ids, params)
-        order = list(states)
-        bar = tqdm(total=len(states), desc="Generating", disable=not use_tqdm)
-        pending = set(states)
-        while pending:
-            for out in self._next_outputs():
-                state = states.get(out.rid)
-                if state is None or out.rid not in pending:
-                    continue  # a request aborted by a stop string still has outputs in flight
-                if state.add(out):
-                    if not out.finished:
-                        self._abort(out.rid)  # a stop string ended the text: no need to compute more
-                    pending.discard(out.rid)
-                    bar.update(1)
-        bar.close()
-        results = [states[rid].result() for rid in order]
-        return results[0] if single else results
+            pipelines[rid] = RequestPipeline(rid, ids, params, self.tokenizer, index)
+        results = {rid: SequenceResult(p.index) for rid, p in pipelines.items()}
+        bar = tqdm(total=len(pipelines), desc="Generating", disable=not use_tqdm)
+        try:
+            for rid, pipeline in pipelines.items():
+                self._submit(rid, pipeline.prompt_ids, pipeline.params)
+            pending = len(pipelines)
+            while pending:
+                for out in self._next_outputs():
+                    pipeline = pipelines.get(out.rid)
+                    if pipeline is None or pipeline.finished:
+                        continue  # another generate() call's request, or one this call already ended
+                    results[out.rid].add(pipeline.process(out))
+                    if pipeline.finished:
+                        pending -= 1
+                        bar.update(1)
+        finally:
+            bar.close()
+            # Interrupted (Ctrl-C, an engine failure): the scheduler must not go on computing for nobody.
+            for rid, pipeline in pipelines.items():
+                if not pipeline.finished:
+                    pipeline.end("abort")
+                    self._abort(rid)
+        generated = [_result(pipelines[rid], results[rid]) for rid in pipelines]
+        return generated[0] if single else generated
 
     def _prepare(self, prompt: Prompt, params) -> tuple[list[int], SamplingParams]:
         if params is None:
             params = SamplingParams()
         elif isinstance(params, dict):
             params = SamplingParams(**params)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        params.validate(vocab)
-        if len(ids) + params.max_new_tokens > self.context_len:
-            raise ValueError(f"This model's maximum context length is {self.context_len} tokens. However, you "
-                             f"requested {len(ids) + params.max_new_tokens} tokens ({len(ids)} in the prompt, "
-                             f"{params.max_new_tokens} for the completion).")
-        return ids, params
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        return check_request(ids, params, self.model_config.vocab_size, self.context_len), params
 
 
-class _Generation:
-    """One request's progress in Engine.generate."""
-
-    def __init__(self, prompt_tokens: int, detokenizer):
-        self.prompt_tokens = prompt_tokens
-        self.detokenizer = detokenizer
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprobs] = []
-        self.text: list[str] = []
-        self.finish_reason: str | None = None
-        self.matched_stop = None
-        self.cached_tokens = 0
-        self.error = None
-
-    def add(self, out: RequestOutput) -> bool:
-        """Take one output; True once the request is done (finished by the scheduler or by a stop string)."""
-        new = unpack_i32(out.token_ids).tolist()
-        self.token_ids += new
-        self.logprobs += [lp for lp in out.logprobs if lp is not None]
-        self.cached_tokens = out.cached_tokens
-        if new:
-            delta = self.detokenizer.add_tokens(new)
-            self.text.append(delta.text)
-            if delta.stopped:
-                self.finish_reason, self.matched_stop = "stop", delta.matched_stop
-                return True
-        if out.finished:
-            self.text.append(self.detokenizer.flush().text)
-            self.finish_reason, self.matched_stop, self.error = out.finish_reason, out.matched_stop_token, out.error
-            return True
-        return False
-
-    def result(self) -> GenerationResult:
-        return GenerationResult(text="".join(self.text), token_ids=self.token_ids, finish_reason=self.finish_reason,
-                                prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens, error=self.error,
-                                matched_stop=self.matched_stop, logprobs=self.logprobs)
+def _result(pipeline: RequestPipeline, result: SequenceResult) -> GenerationResult:
+    return GenerationResult(text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
+                            prompt_tokens=len(pipeline.prompt_ids), cached_tokens=pipeline.cached_tokens,
+                            error=result.error, matched_stop=result.matched_stop, logprobs=result.logprobs)
 
 
-class InProcessEngine(_EngineBase):
-    """Scheduler and model runner in this process (tensor parallelism needs the multi-process Engine)."""
-
-    def __init__(self, model: str | None = None, **server_args):
-        from radixserve.worker.model_runner import ModelRunner
-        from scheduler_service.scheduler import Scheduler
-
-        super().__init__(model, server_args)
-        if self.args.tp_size != 1:
-            raise ValueError("InProcessEngine runs one rank; use Engine for --tp-size > 1")
-        self.runner = ModelRunner(self.args, self.model_dir)
-        self.scheduler = Scheduler(self.args, self.runner.num_kv_slots, self.runner.context_len,
-                                   self.model_config.eos_token_ids, self.runner.forward)
-
-    def _submit(self, rid, prompt_ids, params) -> None:
-        from scheduler_service.request import Req
-        self.scheduler.add_request(Req(rid, prompt_ids, params))
-
-    def _abort(self, rid) -> None:
-        self.scheduler.abort(rid)
-
-    def _next_outputs(self):
-        return [out.to_message() for out in self.scheduler.step()]
-
-
-class Engine(_EngineBase):
+class Engine(EngineBase):
     """The scheduler and one worker process per TP rank, started and supervised like the server's."""
 
     def __init__(self, model: str | None = None, **server_args):
@@ -222,7 +162,8 @@ class Engine(_EngineBase):
 
     def _abort(self, rid) -> None:
         from radixserve.protocol import AbortRequest
-        self._to_scheduler.send(AbortRequest(rid))
+        if "_launcher" in self.__dict__:  # after shutdown() there is no scheduler left to tell
+            self._to_scheduler.send(AbortRequest(rid))
 
     def _next_outputs(self):
         from radixserve.protocol import BatchOutput

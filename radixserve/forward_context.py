@@ -5,7 +5,63 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from radixserve.protocol import PrefixGroups, unpack_i32
+
+
+@dataclass
+class DecodeGroups:
+    """kernels.decode_attention_grouped's group tables for the decode part of the batch (request indices count
+    from the first decode). Six int32 views of one flat tensor, so that a step moves them in one copy."""
+    prefix_lens: torch.Tensor  # [G]
+    prefix_rows: torch.Tensor  # [G]
+    member_start: torch.Tensor  # [G + 1]
+    members: torch.Tensor  # [D]: the first member_start[G] are used
+    req_group: torch.Tensor  # [D]
+    req_suffix_start: torch.Tensor  # [D]
+    max_prefix_len: int  # bounds every prefix_lens[g] (a constant under CUDA graphs)
+    max_group_size: int  # bounds every group's size (likewise)
+
+    @staticmethod
+    def flat_size(num_groups: int, num_decodes: int) -> int:
+        return 3 * num_groups + 1 + 3 * num_decodes
+
+    @classmethod
+    def view(cls, flat: torch.Tensor, num_groups: int, num_decodes: int, max_prefix_len: int,
+             max_group_size: int) -> "DecodeGroups":
+        g, d = num_groups, num_decodes
+        parts = flat[:cls.flat_size(g, d)].split([g, g, g + 1, d, d, d])
+        return cls(*parts, max_prefix_len=max_prefix_len, max_group_size=max_group_size)
+
+
+def pack_decode_groups(groups: PrefixGroups, num_extend: int, num_groups: int | None = None,
+                       num_decodes: int | None = None) -> tuple[np.ndarray, int, int]:
+    """The flat int32 layout DecodeGroups.view reads, from the batch's PrefixGroups; the decode part starts at batch
+    index num_extend. num_groups / num_decodes pad it to a captured graph's shape: padding groups are empty (they
+    cost the kernels one early exit) and padding requests are in no group. Returns (flat, max prefix length,
+    largest group)."""
+    prefix_lens, prefix_rows = unpack_i32(groups.prefix_lens), unpack_i32(groups.prefix_rows)
+    req_group = unpack_i32(groups.req_group)[num_extend:]
+    suffix_start = unpack_i32(groups.req_suffix_start)[num_extend:]
+    g, d = len(prefix_lens), len(req_group)
+    gp, dp = num_groups or g, num_decodes or d
+    if gp < g or dp < d:
+        raise ValueError(f"{g} groups over {d} decodes do not fit a table of {gp} groups over {dp} decodes")
+    grouped = np.flatnonzero(req_group >= 0)
+    members = grouped[np.argsort(req_group[grouped], kind="stable")]  # by group, batch order inside one
+    sizes = np.bincount(req_group[grouped], minlength=g)
+    flat = np.zeros(DecodeGroups.flat_size(gp, dp), dtype=np.int32)
+    lens, rows, start, member_list, req_groups, suffixes = np.split(
+        flat, np.cumsum([gp, gp, gp + 1, dp, dp])[:5])
+    lens[:g], rows[:g] = prefix_lens, prefix_rows
+    start[1:g + 1] = np.cumsum(sizes)
+    start[g + 1:] = len(members)
+    member_list[:len(members)] = members
+    req_groups[:] = -1
+    req_groups[:d], suffixes[:d] = req_group, suffix_start
+    return flat, int(prefix_lens.max(initial=0)), int(sizes.max(initial=0))
 
 
 @dataclass
@@ -24,6 +80,8 @@ class ForwardContext:
     out_cache_loc: torch.Tensor  # int32 [T]: KV slot of each new token
     max_extend_len: int  # over the extend requests
     max_seq_len: int  # over the decode requests
+    # Decodes that share a prefix read it once for the group (kernels.decode_attention_grouped); None: none do.
+    decode_groups: DecodeGroups | None = None
 
 
 _current: ForwardContext | None = None

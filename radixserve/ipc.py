@@ -52,16 +52,15 @@ class Endpoints:
 
 
 class Channel(Generic[T]):
-    """One ZeroMQ socket that sends and receives msgspec Structs of a given (union) type."""
+    """One ZeroMQ PUSH or PULL socket that sends or receives msgspec Structs of a given (union) type. Every link is
+    PUSH/PULL: a PUSH queues until its peer connects, where a PUB would drop."""
 
     def __init__(self, ctx: zmq.Context, kind: int, address: str, bind: bool, recv_type: Any = None):
         self.socket = ctx.socket(kind)
         self.socket.setsockopt(zmq.LINGER, 0)
-        if kind == zmq.SUB:
-            self.socket.setsockopt(zmq.SUBSCRIBE, b"")
-        if kind in (zmq.PUSH, zmq.PUB):
+        if kind == zmq.PUSH:
             self.socket.setsockopt(zmq.SNDHWM, 0)  # never drop a message
-        if kind in (zmq.PULL, zmq.SUB):
+        elif kind == zmq.PULL:
             self.socket.setsockopt(zmq.RCVHWM, 0)
         (self.socket.bind if bind else self.socket.connect)(address)
         self._encoder = msgspec.msgpack.Encoder()

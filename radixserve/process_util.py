@@ -1,5 +1,5 @@
-"""What every child process of launch.py does first: parse its arguments, die with its parent, report ready or
-failed to the launcher over a socket (msgspec only)."""
+"""What every child process of launch.py does first: read its configuration (a 0600 file, never argv), die with
+its parent, report ready or failed to the launcher over a socket (msgspec only), then send it heartbeats."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from typing import Callable
 import zmq
 
 from radixserve.config import ServerArgs
+from radixserve.heartbeat import heartbeat_interval, start_heartbeat
 from radixserve.ipc import Channel, Endpoints
 from radixserve.protocol import ProcessFailed, ProcessReady
 
@@ -41,12 +42,38 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="parent-watchdog").start()
 
 
-def child_argv(args: ServerArgs, model_dir: str, endpoints: Endpoints, **extra) -> list[str]:
-    argv = ["--server-args-json", json.dumps(args.to_dict()), "--model-dir", str(model_dir),
-            "--ipc-dir", endpoints.ipc_dir]
+CONFIG_FILE_NAME = "child_config.json"
+
+
+def write_child_config(args: ServerArgs, model_dir: str, endpoints: Endpoints, dp_rank: int | None = None) -> str:
+    """The children's configuration as a 0600 file in the private IPC directory, never on a command line: argv is
+    world-readable (ps, /proc/*/cmdline), and the server arguments may hold the API key. dp_rank: the file of one
+    data-parallel replica's processes (their endpoints are the replica's, their names start with dp<i>-)."""
+    path = os.path.join(endpoints.ipc_dir, CONFIG_FILE_NAME)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"server_args": args.to_dict(), "model_dir": str(model_dir), "ipc_dir": endpoints.ipc_dir,
+                   "dp_rank": dp_rank}, f)
+    return path
+
+
+def child_argv(config_file: str, **extra) -> list[str]:
+    argv = ["--config-file", config_file]
     for key, value in extra.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
     return argv
+
+
+def _read_configuration(ns: argparse.Namespace) -> tuple[ServerArgs, str, str, int | None]:
+    if ns.config_file is not None:
+        with open(ns.config_file) as f:
+            config = json.load(f)
+        return (ServerArgs(**config["server_args"]), config["model_dir"], config["ipc_dir"],
+                config.get("dp_rank"))
+    # The same on the command line, for starting one service by hand (tests); launch.py never passes these.
+    if None in (ns.server_args_json, ns.model_dir, ns.ipc_dir):
+        raise SystemExit("give --config-file, or all of --server-args-json, --model-dir and --ipc-dir")
+    return ServerArgs(**json.loads(ns.server_args_json)), ns.model_dir, ns.ipc_dir, None
 
 
 def setup_logging(name: str, level: str) -> None:
@@ -57,23 +84,32 @@ def setup_logging(name: str, level: str) -> None:
 def run_child(name: str, main: Callable, extra_args: tuple[str, ...] = ()) -> None:
     """Entry point of a child process: main(args, model_dir, endpoints, on_ready, **extra)."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--server-args-json", required=True)
-    parser.add_argument("--model-dir", required=True)
-    parser.add_argument("--ipc-dir", required=True)
+    parser.add_argument("--config-file")
+    parser.add_argument("--server-args-json")
+    parser.add_argument("--model-dir")
+    parser.add_argument("--ipc-dir")
     for extra in extra_args:
         parser.add_argument(f"--{extra.replace('_', '-')}")
     ns = parser.parse_args()
     die_with_parent()
-    args = ServerArgs(**json.loads(ns.server_args_json))
+    args, model_dir, ipc_dir, dp_rank = _read_configuration(ns)
     extras = {e: getattr(ns, e) for e in extra_args}
     if "rank" in extras:
         name = f"{name}-{extras['rank']}"
+    if dp_rank is not None:
+        name = f"dp{dp_rank}-{name}"
     setup_logging(name, args.log_level)
-    endpoints = Endpoints(ns.ipc_dir)
+    endpoints = Endpoints(ipc_dir)
     ctx = zmq.Context()
     launcher = Channel(ctx, zmq.PUSH, endpoints.launcher, bind=False)
+
+    def on_ready(info=None) -> None:
+        launcher.send(ProcessReady(name, info or {}))
+        if args.watchdog_timeout:  # resolved to a number by the launcher; 0 turns the watchdog off
+            start_heartbeat(ctx, name, endpoints.launcher, heartbeat_interval(args.watchdog_timeout))
+
     try:
-        main(args, ns.model_dir, endpoints, lambda info=None: launcher.send(ProcessReady(name, info or {})), **extras)
+        main(args, model_dir, endpoints, on_ready, **extras)
     except KeyboardInterrupt:
         pass
     except BaseException as e:  # noqa: BLE001 - whatever kills us is reported, then we exit non-zero

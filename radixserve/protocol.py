@@ -19,8 +19,11 @@ def unpack_i32(data: bytes) -> np.ndarray:
 
 # ---------------------------------------------------------------- scheduler -> workers
 
-class RowWrite(msgspec.Struct, array_like=True):
-    """req_to_token[req_pool_idx, start:start+len(slots)] = slots (a cached prefix, or a rewrite after insertion)."""
+class ReusedSlots(msgspec.Struct, array_like=True):
+    """Tokens a request holds without computing them this step: req_to_token[req_pool_idx, start:start+len(slots)]
+    = slots. A cached prefix at admission, or a range re-pointed at the radix tree's copy after another request
+    inserted the same tokens first (the duplicates were freed). The worker applies these after the new tokens'
+    slots (out_cache_loc), in the same single write of req_to_token."""
     req_pool_idx: int
     start: int
     slots: bytes
@@ -36,6 +39,17 @@ class WorkerRequest(msgspec.Struct, array_like=True):
     output_ids: bytes = b""
 
 
+class PrefixGroups(msgspec.Struct, array_like=True):
+    """Decodes of the batch that read a shared prefix together (scheduler_service/prefix_groups.py): group g's
+    members hold the same KV slots for positions [0, prefix_lens[g]), readable through req_to_token row
+    prefix_rows[g]. Per request of the batch, its group or -1, and where its own positions start (its group's
+    prefix length, or 0). Only decodes are ever grouped."""
+    prefix_lens: bytes  # int32 [G]
+    prefix_rows: bytes  # int32 [G]
+    req_group: bytes  # int32 [B]
+    req_suffix_start: bytes  # int32 [B]
+
+
 class ForwardBatch(msgspec.Struct, tag=True):
     """One step's batch. Per request: its row, how many tokens are already cached, its new tokens and their slots."""
     step: int
@@ -46,7 +60,22 @@ class ForwardBatch(msgspec.Struct, tag=True):
     out_cache_loc: bytes  # int32 [sum(extend_lens)]
     sample_mask: bytes  # uint8 [B]: 0 for a prefill chunk that is not the prompt's last (nothing to sample)
     new_requests: list[WorkerRequest] = []
-    row_writes: list[RowWrite] = []
+    reused_slots: list[ReusedSlots] = []
+    # Overlapped scheduling: >= 0 keeps this step's sampled tokens on the worker, the i-th at ring index
+    # (future_token_base + i) % future_token_ring_size(...); a later batch's input id -(index + 1) stands for it.
+    future_token_base: int = -1
+    prefix_groups: PrefixGroups | None = None  # None: no decode shares a prefix (or the feature is off)
+
+
+def future_token_ring_size(max_running_requests: int) -> int:
+    """Ring of sampled tokens kept on the worker for overlapped scheduling: a placeholder of step N is read only by
+    step N+1, so two steps' samples (at most one per row each) must never share an index."""
+    return 2 * max_running_requests + 2
+
+
+def future_token_placeholder(index: int) -> int:
+    """The input id that stands for the token sampled into ring index `index` (negative: no real token is)."""
+    return -(index + 1)
 
 
 class Shutdown(msgspec.Struct, tag=True):
@@ -71,15 +100,9 @@ class WorkerReady(msgspec.Struct, tag=True):
     rank: int
     num_kv_slots: int
     context_len: int
-    max_running_requests: int
 
 
-class WorkerError(msgspec.Struct, tag=True):
-    rank: int
-    message: str
-
-
-WorkerToScheduler = SampledTokens | WorkerReady | WorkerError
+WorkerToScheduler = SampledTokens | WorkerReady
 SchedulerToWorker = ForwardBatch | Shutdown
 
 
@@ -114,7 +137,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     logprobs: list[TokenLogprobs]
     finished: bool
     finish_reason: str | None  # stop | length | abort | error
-    matched_stop_token: int | None
+    matched_stop: int | str | None  # the stop token id, or the stop string that matched
     error: str | None
     prompt_tokens: int
     completion_tokens: int
@@ -146,7 +169,14 @@ class ServerInfo(msgspec.Struct, tag=True):
     info: dict[str, int | float | str | bool | None]
 
 
-SchedulerToTokenizer = BatchOutput | FlushCacheResult | ServerInfo
+class EngineFailed(msgspec.Struct, tag=True):
+    """A child of launch.py died or hung: the tokenizer fails every request in flight with `reason` and answers
+    /health with 503 from now on. Sent by the launcher on the scheduler_to_tokenizer socket (a PULL takes any
+    number of PUSH peers), so it arrives in the loop that already ends requests."""
+    reason: str
+
+
+SchedulerToTokenizer = BatchOutput | FlushCacheResult | ServerInfo | EngineFailed
 
 
 # ---------------------------------------------------------------- every child -> launch.py
@@ -161,4 +191,62 @@ class ProcessFailed(msgspec.Struct, tag=True):
     message: str
 
 
-ChildToLauncher = ProcessReady | ProcessFailed
+class Heartbeat(msgspec.Struct, tag=True):
+    """Sent by every child's heartbeat thread about once a second: a silent child is frozen (stopped, or stuck
+    where not even a thread runs), and a busy one whose progress count stands still is hung (--watchdog-timeout)."""
+    name: str
+    progress: int  # units of work finished so far (worker: forward batches, scheduler: steps)
+    busy: bool  # working on a unit right now
+    warm: bool  # finished at least one unit: the first one (CUDA graph capture, Triton compile) is not timed
+
+
+ChildToLauncher = ProcessReady | ProcessFailed | Heartbeat
+
+
+# ---------------------------------------------------------------- between the launchers of a multi-node server
+# (radixserve/node_link.py; over CURVE-authenticated tcp)
+
+class NodeBeat(msgspec.Struct, tag=True):
+    """Sent by every node's launcher twice a second: it is alive, and whether all its processes are ready."""
+    node_rank: int
+    ready: bool
+
+
+class NodeFailed(msgspec.Struct, tag=True):
+    """Node k > 0 to node 0: one of its processes died or hung; node 0 stops the server with this reason."""
+    node_rank: int
+    reason: str
+
+
+class NodeStop(msgspec.Struct, tag=True):
+    """Node 0 to every other node: the server is stopping (failed: because something broke; exit non-zero)."""
+    reason: str
+    failed: bool
+
+
+NodeToNode = NodeBeat | NodeFailed | NodeStop
+
+
+# ---------------------------------------------------------------- data parallelism: scheduler -> dp controller
+# (scheduler_service/cache_events.py, scheduler_service/dp_controller.py)
+
+class CacheInserted(msgspec.Struct, tag=True):
+    tokens: bytes  # int32: this sequence is now cached (every prefix of it too)
+
+
+class CacheEvicted(msgspec.Struct, tag=True):
+    path: bytes  # int32 tokens from the root to the evicted leaf's parent
+    key: bytes  # int32 the leaf's own tokens, no longer cached
+
+
+class CacheCleared(msgspec.Struct, tag=True):
+    pass
+
+
+class CacheEvents(msgspec.Struct, tag=True):
+    """What one replica's radix tree gained and lost since its last report, in order: the DP controller replays
+    them on its mirror of that tree, which so stays exact (only sent with --dp-size > 1)."""
+    events: list[CacheInserted | CacheEvicted | CacheCleared]
+
+
+ReplicaToController = BatchOutput | FlushCacheResult | ServerInfo | CacheEvents

@@ -7,6 +7,8 @@ import math
 import msgspec
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 class SamplingParams(msgspec.Struct, omit_defaults=True):
@@ -20,12 +22,26 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    stop: list[str] = []  # stop strings: matched on text by the detokenizer
+    stop: list[str] = []  # stop strings: the scheduler stops at them, the front end cuts them from the text
     stop_token_ids: list[int] = []
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's logprob plus the top k
+    # Structured output: at most one grammar spec (radixserve/grammar.py compiles it with xgrammar).
+    json_schema: str | None = None  # JSON Schema text
+    regex: str | None = None
+    ebnf: str | None = None  # GBNF/EBNF grammar text, root rule `root`
+    logit_bias: dict[int, float] = {}  # token id -> value added to its logit before sampling
+
+    @property
+    def grammar_spec(self) -> tuple[str, str] | None:
+        """(kind, text) of the grammar this request is constrained by, or None. Also the compile-cache key."""
+        for kind in ("json_schema", "regex", "ebnf"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -60,6 +76,16 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if sum(x is not None for x in (self.json_schema, self.regex, self.ebnf)) > 1:
+            bad("at most one of json_schema, regex and ebnf may be given")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+            bad(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            if math.isnan(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias} for token {token}")
+            if token < 0 or (vocab_size is not None and token >= vocab_size):
+                bad(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:

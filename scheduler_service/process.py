@@ -1,5 +1,5 @@
 """The scheduler process: requests in from the tokenizer, batches out to every worker rank, sampled tokens back
-from rank 0, per-request outputs back to the tokenizer."""
+from rank 0, per-request outputs back to the tokenizer. Its tokenizer is used only to decide stop strings."""
 
 from __future__ import annotations
 
@@ -9,12 +9,17 @@ import time
 import zmq
 
 from radixserve.config import ModelConfig, ServerArgs
+from radixserve.heartbeat import progress
 from radixserve.ipc import Channel, Endpoints
-from radixserve.protocol import (AbortRequest, BatchOutput, FlushCacheRequest, FlushCacheResult, ForwardBatch,
-                                 SampledTokens, SchedulerLoad, ServerInfo, ServerInfoRequest, Shutdown,
-                                 TokenizedRequest, TokenizerToScheduler, WorkerReady, WorkerToScheduler, unpack_i32)
+from radixserve.protocol import (AbortRequest, BatchOutput, FlushCacheRequest, FlushCacheResult, SchedulerLoad,
+                                 ServerInfo, ServerInfoRequest, Shutdown, TokenizedRequest, TokenizerToScheduler,
+                                 WorkerReady, WorkerToScheduler, unpack_i32)
+from scheduler_service.cache_events import CacheEventLog
+from scheduler_service.executor import WorkerProcessesExecutor
 from scheduler_service.request import Req
-from scheduler_service.scheduler import KVInvariantError, Scheduler, StepOutput
+from scheduler_service.results import StepOutput
+from scheduler_service.scheduler import KVInvariantError, Scheduler
+from scheduler_service.step_loop import make_step_loop
 
 logger = logging.getLogger(__name__)
 
@@ -33,12 +38,18 @@ class SchedulerProcess:
                            for r in range(args.tp_size)]
         self.from_workers = Channel(ctx, zmq.PULL, endpoints.workers_to_scheduler, bind=True,
                                     recv_type=WorkerToScheduler)
+        # Loaded while the workers load their weights, so it adds nothing to start-up.
+        tokenizer = load_tokenizer(args.tokenizer or model_dir)
         ready = self._wait_for_workers()
         model_config = ModelConfig.from_dir(model_dir)
-        self.scheduler = Scheduler(args, ready.num_kv_slots, ready.context_len, model_config.eos_token_ids,
-                                   self._execute)
+        self.scheduler = Scheduler(args, ready.num_kv_slots, ready.context_len, model_config.eos_token_ids, tokenizer)
+        # Overlapped unless --disable-overlap-schedule: step N+1 goes out before step N's tokens are applied.
+        self.loop = make_step_loop(self.scheduler, WorkerProcessesExecutor(self.to_workers, self.from_workers))
         self.last_invariant_check = 0.0
         self.invariant_ok = True
+        # --dp-size > 1: the DP controller mirrors this tree from its insert/evict events.
+        self.cache_events = CacheEventLog() if args.dp_size > 1 else None
+        self.scheduler.tree.listener = self.cache_events
 
     def _wait_for_workers(self) -> WorkerReady:
         readies = []
@@ -48,21 +59,17 @@ class SchedulerProcess:
                 readies.append(message)
         return min(readies, key=lambda r: r.num_kv_slots)
 
-    def _execute(self, batch: ForwardBatch) -> SampledTokens:
-        for channel in self.to_workers:
-            channel.send(batch)
-        while True:
-            reply = self.from_workers.recv()
-            if isinstance(reply, SampledTokens) and reply.step == batch.step:
-                return reply
-            logger.warning("unexpected message from workers: %r", reply)
-
     # ------------------------------------------------------------------ loop
     def run(self) -> None:
         while True:
-            self._receive_requests(block=not self.scheduler.has_work())
-            if self.scheduler.has_work():
-                self._send_outputs(self.scheduler.step())
+            self._receive_requests(block=not self.loop.has_work())
+            if self.loop.has_work():
+                # schedule -> batch to every rank -> (overlapped: the previous step's) tokens -> process_results
+                progress.begin()  # launch.py's watchdog times each step (radixserve/heartbeat.py)
+                outputs = self.loop.step()
+                self._report_cache_events()  # before the outputs: a request's end must not precede its prefix
+                self._send_outputs(outputs)
+                progress.end()
             else:
                 self._check_invariant_at_idle()
 
@@ -84,6 +91,7 @@ class SchedulerProcess:
             self.scheduler.abort(message.rid)
         elif isinstance(message, FlushCacheRequest):
             ok = self.scheduler.flush_cache()
+            self._report_cache_events()
             self.to_tokenizer.send(FlushCacheResult(message.request_id, ok,
                                                     "" if ok else "requests are running; flush when idle"))
         elif isinstance(message, ServerInfoRequest):
@@ -92,7 +100,7 @@ class SchedulerProcess:
     def _server_info(self) -> dict:
         s = self.scheduler
         try:
-            s.check_invariant()
+            s.check_invariant(walk_tree=not s.running)  # the whole tree only at idle, where it costs no step
             invariant_ok = True
         except KVInvariantError:
             invariant_ok = False
@@ -101,8 +109,15 @@ class SchedulerProcess:
                 **{f"kv_{k}": v for k, v in usage.items()}, "context_len": s.context_len,
                 "steps": s.stats.steps, "prefill_tokens_computed": s.stats.prefill_tokens_computed,
                 "cached_prompt_tokens": s.stats.cached_prompt_tokens, "retractions": s.stats.retractions,
-                "tp_size": self.args.tp_size, "chunked_prefill_size": min(s.chunk_budget, 1 << 31),
+                "grouped_decodes": s.stats.grouped_decodes,
+                "shared_prefix_tokens_saved": s.stats.shared_prefix_tokens_saved,
+                "tp_size": self.args.tp_size, "chunked_prefill_size": min(s.chunked_prefill_size, 1 << 31),
                 "radix_cache": not self.args.disable_radix_cache, "schedule_policy": self.args.schedule_policy}
+
+    def _report_cache_events(self) -> None:
+        message = self.cache_events.take() if self.cache_events is not None else None
+        if message is not None:
+            self.to_tokenizer.send(message)
 
     def _check_invariant_at_idle(self) -> None:
         now = time.monotonic()
@@ -110,7 +125,7 @@ class SchedulerProcess:
             return
         self.last_invariant_check = now
         try:
-            self.scheduler.check_invariant()
+            self.scheduler.check_invariant(walk_tree=True)
             self.invariant_ok = True
         except KVInvariantError as e:
             if self.invariant_ok:
@@ -130,6 +145,11 @@ class SchedulerProcess:
     def shutdown(self) -> None:
         for channel in self.to_workers:
             channel.send(Shutdown("scheduler stopping"))
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def run_scheduler(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready) -> None:

@@ -38,7 +38,8 @@ class Req:
 
         self.cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
         self.finish_reason: str | None = None
-        self.matched_stop: int | None = None
+        self.matched_stop: int | str | None = None  # the stop token, or the stop string
+        self.stop_matcher = None  # a StopStringMatcher when the request has stop strings
         self.error: str | None = None
         self.retractions = 0
         self.logprobs: list = []
@@ -47,7 +48,6 @@ class Req:
         self.arrival_step = 0
         self.admitted_time: float | None = None
         self.first_token_time: float | None = None
-        self.token_times: list[float] = []
 
     # ------------------------------------------------------------------ derived
     @property
@@ -67,7 +67,9 @@ class Req:
 
     @property
     def is_decoding(self) -> bool:
-        return self.status is ReqStatus.RUNNING and self.num_pending == 1 and len(self.output_ids) > 0
+        # num_pending == 1 written out: every step asks this of every running request, twice.
+        outputs = len(self.output_ids)
+        return outputs > 0 and self.status is ReqStatus.RUNNING and len(self.prompt_ids) + outputs - self.kv_len == 1
 
     @property
     def remaining_new_tokens(self) -> int:

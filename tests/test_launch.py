@@ -16,6 +16,9 @@ from radixserve.testing.tiny_models import tiny_model_dir
 from radixserve.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
+# The launcher notices a death within 50 ms and tells the HTTP process (0.05-0.2 s seen on a loaded 2-core machine).
+# Before, /health answered 200 until the HTTP process was stopped, at least 0.3 s after the death was noticed.
+HEALTH_503_WITHIN_S = 0.3
 
 
 
@@ -96,6 +99,19 @@ def test_killing_a_worker_stops_the_server_and_fails_inflight_requests():
     client.start()
     time.sleep(1.5)
     os.kill(worker, signal.SIGKILL)
+    killed_at = time.monotonic()
+    # /health stops answering 200 as soon as the launcher sees the death (it tells the HTTP process), not only once
+    # the HTTP process is stopped.
+    while True:
+        try:
+            healthy = httpx.get(f"{url}/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if not healthy:
+            break
+        time.sleep(0.01)
+    unhealthy_after = time.monotonic() - killed_at
+    assert unhealthy_after < HEALTH_503_WITHIN_S, f"/health answered 200 for {unhealthy_after:.2f} s after the death"
     code = proc.wait(timeout=20)
     output = proc.stdout.read()
     assert code != 0
@@ -104,6 +120,8 @@ def test_killing_a_worker_stops_the_server_and_fails_inflight_requests():
     assert not client.is_alive(), "a client request hangs after the engine died"
     # The client saw an error, not a normal end of stream.
     assert "error" in outcome or outcome.get("status", 200) >= 500 or '"error"' in outcome.get("body", ""), outcome
+    if "body" in outcome:  # the error names what happened
+        assert "worker-0 died" in outcome["body"], outcome
     time.sleep(0.5)
     assert not [pid for pid in kids if alive(pid)], "orphans left behind"
 

@@ -2,7 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from radixserve.cache.memory_pool import KVCache, ReqPoolAllocator, ReqToTokenPool, TokenSlotAllocator
+from radixserve.cache.slot_allocator import ReqPoolAllocator, TokenSlotAllocator
+from radixserve.worker.kv_cache import KVCache, ReqToTokenPool
 
 
 def test_first_allocations_are_ascending_and_skip_the_padding_slot():
@@ -137,14 +138,18 @@ def test_req_to_token_pool_write():
     pool = ReqToTokenPool(max_running=2, context_len=8, device="cpu")
     assert pool.table.shape == (3, 8) and pool.table.dtype == torch.int32
     assert not pool.table.any()
-    pool.write(1, 0, np.array([5, 9, 2], dtype=np.int32))
-    pool.write(1, 3, [7])
-    pool.write(2, 6, torch.tensor([4, 4]))
+    # Row 1 positions 0..2, row 2 positions 6..7, row 1 position 3: one scatter for all of them.
+    index = pool.flat_index([1, 2, 1], [0, 6, 3], [3, 2, 1])
+    assert index.tolist() == [8, 9, 10, 22, 23, 11]
+    pool.write(torch.from_numpy(index), torch.tensor([5, 9, 2, 4, 4, 7], dtype=torch.int32))
     assert pool.table[1, :5].tolist() == [5, 9, 2, 7, 0]
     assert pool.table[2].tolist() == [0, 0, 0, 0, 0, 0, 4, 4]
     assert not pool.table[0].any()
+    assert pool.flat_index([], [], []).tolist() == []
     with pytest.raises(ValueError, match="context length"):
-        pool.write(1, 7, [1, 2])
+        pool.flat_index([1], [7], [2])
+    with pytest.raises(ValueError, match="row out of range"):
+        pool.flat_index([3], [0], [1])
 
 
 def test_kv_cache_shapes_and_budget():

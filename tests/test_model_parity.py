@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from radixserve.config import ServerArgs
-from radixserve.protocol import ForwardBatch, RowWrite, WorkerRequest, pack_i32
+from radixserve.protocol import ForwardBatch, ReusedSlots, WorkerRequest, pack_i32
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import tiny_model_dir
 from radixserve.worker.model_runner import ModelRunner
@@ -51,7 +51,7 @@ def batch(rows, prefix_lens, chunks, slots, new_rows=(), row_writes=(), step=0):
         step=step, req_pool_indices=pack_i32(rows), prefix_lens=pack_i32(prefix_lens),
         extend_lens=pack_i32([len(c) for c in chunks]), input_ids=pack_i32(np.concatenate(chunks)),
         out_cache_loc=pack_i32(np.concatenate(slots)), sample_mask=bytes([1] * len(rows)),
-        new_requests=[WorkerRequest(r, GREEDY) for r in new_rows], row_writes=list(row_writes))
+        new_requests=[WorkerRequest(r, GREEDY) for r in new_rows], reused_slots=list(row_writes))
 
 
 def random_ids(n, seed, vocab=49152):
@@ -73,7 +73,7 @@ def test_extend_over_cached_prefix_in_scattered_slots(setup):
     # Request A computes the prefix in row 2; request B (row 3) reuses those slots through its page table.
     runner.compute_logits(batch([2], [0], [ids[:41]], [prefix_slots], [2]))
     out = runner.compute_logits(
-        batch([3], [41], [ids[41:]], [pool.take(29)], [3], [RowWrite(3, 0, prefix_slots.tobytes())]),
+        batch([3], [41], [ids[41:]], [pool.take(29)], [3], [ReusedSlots(3, 0, prefix_slots.tobytes())]),
         all_positions=True)
     assert rel_err(out, hf_logits(hf, ids.tolist())[41:]) < 1e-4
 

@@ -4,7 +4,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from radixserve.cache.memory_pool import TokenSlotAllocator
+from radixserve.cache.slot_allocator import TokenSlotAllocator
 from radixserve.cache.radix_cache import RadixCache
 
 

@@ -4,7 +4,7 @@ outputs whatever the batching, prefix reuse, aborts in every state, no starvatio
 import numpy as np
 import pytest
 
-from radixserve.engine import InProcessEngine
+from scheduler_service.in_process_engine import InProcessEngine
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import tiny_model_dir
 from scheduler_service.request import Req
@@ -140,7 +140,7 @@ def step_until(engine, predicate, limit=500):
     for _ in range(limit):
         if predicate():
             return
-        engine.scheduler.step()
+        engine.loop.step()
     raise AssertionError("condition not reached")
 
 
@@ -167,8 +167,7 @@ def test_abort_in_every_state_frees_everything(model_dir, state):
     assert s.abort("victim")
     assert victim.finish_reason == "abort"
     s.check_invariant()
-    while s.has_work():
-        s.step()
+    engine.loop.run_until_idle()
     assert_idle_and_clean(engine)
     assert not s.abort("victim"), "a finished request cannot be aborted twice"
 
@@ -179,8 +178,7 @@ def test_cache_miss_is_not_starved_by_cache_hits(model_dir):
     rng = np.random.default_rng(5)
     hot = rng.integers(0, VOCAB, 40).tolist()
     s.add_request(Req("warm", hot + [1], greedy(2)))
-    while s.has_work():
-        s.step()
+    engine.loop.run_until_idle()
     miss = Req("miss", rng.integers(0, VOCAB, 30).tolist(), greedy(2))
     s.add_request(miss)
     steps = 0
@@ -188,7 +186,7 @@ def test_cache_miss_is_not_starved_by_cache_hits(model_dir):
     for i in range(400):
         while len(s.waiting) < 6:
             s.add_request(Req(f"hit-{i}-{len(s.waiting)}", hot + rng.integers(0, VOCAB, 3).tolist(), greedy(4)))
-        s.step()
+        engine.loop.step()
         steps += 1
         if miss.finish_reason:
             break

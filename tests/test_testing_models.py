@@ -33,7 +33,6 @@ from radixserve.testing import _cache, smollm2, tiny_models
 from radixserve.testing.__main__ import main as cli_main
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-SHARED_QWEN3_TOKENIZER = REPO_ROOT.parent / "shared" / "data" / "tokenizers" / "qwen3"
 
 
 def _chat_input_ids(tokenizer, text: str) -> torch.Tensor:
@@ -277,13 +276,20 @@ def test_dummy_config_dir_with_and_without_tokenizer(tmp_path, monkeypatch):
         dummy_config_dir("qwen3-4b")
 
 
-@pytest.mark.skipif(not SHARED_QWEN3_TOKENIZER.is_dir(), reason="no ../shared/data/tokenizers/qwen3 checkout")
-def test_dummy_config_dir_with_the_real_qwen3_tokenizer(tmp_path, monkeypatch):
+def test_dummy_config_dir_with_a_real_tokenizer(tmp_path, monkeypatch):
+    # The real tokenizer at hand is SmolLM2's (from the project's own cache): its files are copied in whole, so
+    # the dummy directory loads it and encodes exactly as the original does.
     from transformers import AutoTokenizer
 
+    source = smollm2_dir()  # before the cache root moves to tmp_path
     monkeypatch.setenv(_cache.CACHE_DIR_ENV, str(tmp_path))
-    tokenizer = AutoTokenizer.from_pretrained(dummy_config_dir("qwen3-0.6b", SHARED_QWEN3_TOKENIZER))
-    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>"]) == [151643, 151645]
+    directory = dummy_config_dir("qwen3-0.6b", source)
+    assert directory.parent == tmp_path
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    text = "Dummy weights, real tokenizer: 世界 😀"
+    assert tokenizer.encode(text) == AutoTokenizer.from_pretrained(source).encode(text)
+    assert tokenizer.chat_template == AutoTokenizer.from_pretrained(source).chat_template
 
 
 # --------------------------------------------------------------------------------------------------

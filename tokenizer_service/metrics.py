@@ -64,6 +64,24 @@ class ServerMetrics:
         self.kv_slots_total = gauge("kv_slots_total", "KV slots in the pool.")
         self.kv_cache_usage = gauge("kv_cache_usage_perc", "Share of KV slots in use by requests (0..1).")
 
+        # --dp-size > 1: the same per replica (label dp_rank), from /server_info's dp<i>_ numbers.
+        replica_labels = ["model_name", "dp_rank"]
+        self._replica_running = Gauge(PREFIX + "replica_num_running_reqs", "Sequences holding KV in one replica.",
+                                      replica_labels, registry=r)
+        self._replica_waiting = Gauge(PREFIX + "replica_num_waiting_reqs", "Sequences queued in one replica.",
+                                      replica_labels, registry=r)
+        self._replica_cached = Gauge(PREFIX + "replica_cached_prompt_tokens", "Prompt tokens one replica served "
+                                     "from its radix cache so far.", replica_labels, registry=r)
+
+    def update_replicas(self, info: dict) -> None:
+        dp_rank = 0
+        while f"dp{dp_rank}_num_running" in info:
+            labels = {"model_name": self._model_name, "dp_rank": str(dp_rank)}
+            self._replica_running.labels(**labels).set(info[f"dp{dp_rank}_num_running"])
+            self._replica_waiting.labels(**labels).set(info[f"dp{dp_rank}_num_waiting"])
+            self._replica_cached.labels(**labels).set(info[f"dp{dp_rank}_cached_prompt_tokens"])
+            dp_rank += 1
+
     def observe_finish(self, finish_reason: str) -> None:
         self._finished.labels(model_name=self._model_name, finish_reason=finish_reason).inc()
 

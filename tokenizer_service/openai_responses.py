@@ -112,14 +112,17 @@ def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs], token_tex
 
 
 def chat_response(request_id: str, created: int, model: str, results: list[SequenceResult], usage: Usage,
-                  token_text: TokenText, want_logprobs: bool) -> dict:
+                  token_text: TokenText, want_logprobs: bool, tools=None) -> dict:
+    """tools: the request's structured_outputs.ChatTools, which splits a reply into content and tool_calls."""
     choices = []
     for r in results:
+        message, finish_reason = ({"role": "assistant", "content": r.text}, r.finish_reason) if tools is None \
+            else tools.message(r.text, r.finish_reason)
         choices.append({
             "index": r.index,
-            "message": {"role": "assistant", "content": r.text},
+            "message": message,
             "logprobs": chat_logprobs(r.token_ids, r.logprobs, token_text) if want_logprobs else None,
-            "finish_reason": r.finish_reason,
+            "finish_reason": finish_reason,
             "stop_reason": r.matched_stop,
         })
     return {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,

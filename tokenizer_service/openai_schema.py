@@ -16,10 +16,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tokenizer_service.structured_fields import (AssistantToolCall, ChatStructuredFields, NativeStructuredFields,
+                                                 StructuredOutputFields, sampling_fields)
+
 MAX_N = 16  # choices per request; each one is a sequence in the batch and holds KV
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit for chat)
 MAX_STOP_STRINGS = 64  # every stop string is checked on every generated token
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT32_MAX = 2**31 - 1
+# chat_template_kwargs a request may set: harmless switches that chat templates read (Qwen3, DeepSeek).
+CHAT_TEMPLATE_KWARGS = frozenset({"enable_thinking", "thinking", "add_generation_prompt"})
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_NATIVE_MAX_NEW_TOKENS = 128  # SGLang's default for /generate
@@ -286,7 +292,7 @@ class _OpenAIRequest(_SamplingFields):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed {max_name} ({max_tokens})")
 
 
-class CompletionRequest(_OpenAIRequest):
+class CompletionRequest(_OpenAIRequest, StructuredOutputFields):
     """POST /v1/completions"""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -329,13 +335,29 @@ class TextContentPart(_StrictModel):
 
 class ChatMessage(_StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart]
+    content: str | list[TextContentPart] | None  # null (or left out) only beside an assistant's tool_calls
     name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an earlier assistant turn's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tool_calls_may_leave_out_content(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "content" not in data and data.get("role") == "assistant" \
+                and data.get("tool_calls"):
+            return {**data, "content": None}
+        return data
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required, except in an assistant message with tool_calls")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value: Any) -> Any:
-        if isinstance(value, str):
+        if value is None or isinstance(value, str):
             return value
         if not isinstance(value, list):
             raise ValueError("content must be a string or a list of content parts")
@@ -352,12 +374,12 @@ class ChatMessage(_StrictModel):
     def text_content(self) -> str:
         """Content as one string: chat templates (Qwen3's among them) expect a string. Parts are
         joined with newlines, as vLLM does."""
-        if isinstance(self.content, str):
-            return self.content
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
         return "\n".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_OpenAIRequest):
+class ChatCompletionRequest(_OpenAIRequest, ChatStructuredFields):
     """POST /v1/chat/completions"""
 
     messages: list[ChatMessage]
@@ -366,7 +388,24 @@ class ChatCompletionRequest(_OpenAIRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false} for Qwen3
+    chat_template_kwargs: dict[str, bool] | None = None  # e.g. {"enable_thinking": false} for Qwen3
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _chat_template_kwargs(cls, value: Any) -> Any:
+        # Only named switches of the server's own template: a client-supplied template (or any other argument of
+        # apply_chat_template) would let a request run arbitrary Jinja in the server.
+        if value is None:
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("chat_template_kwargs must be an object")
+        for key, flag in value.items():
+            if key not in CHAT_TEMPLATE_KWARGS:
+                raise ValueError(f"chat_template_kwargs key {key!r} is not accepted; the chat template is the "
+                                 f"server's own and only {', '.join(sorted(CHAT_TEMPLATE_KWARGS))} may be set")
+            if not isinstance(flag, bool):
+                raise ValueError(f"chat_template_kwargs.{key} must be a boolean, got {flag!r}")
+        return value
 
     @field_validator("messages")
     @classmethod
@@ -407,17 +446,23 @@ class ChatCompletionRequest(_OpenAIRequest):
             item = {"role": message.role, "content": message.text_content()}
             if message.name is not None:
                 item["name"] = message.name
+            if message.tool_calls:
+                item["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                item["tool_call_id"] = message.tool_call_id
             out.append(item)
         return out
 
 
-class NativeSamplingParams(_SamplingFields):
+class NativeSamplingParams(_SamplingFields, NativeStructuredFields):
     """`sampling_params` of POST /generate, with SGLang's names."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
 
     max_new_tokens: int | None = DEFAULT_NATIVE_MAX_NEW_TOKENS
     min_new_tokens: int = 0
+    # SGLang's name (sglang-router and SGLang clients send it): keep the matched stop string in the output.
+    no_stop_trim: bool = False
 
     @field_validator("max_new_tokens")
     @classmethod
@@ -508,6 +553,8 @@ def to_sampling_fields(req: CompletionRequest | ChatCompletionRequest | Generate
         raise TypeError(f"not a request model: {type(req).__name__}")
 
     top_k = params.top_k if params.top_k is not None and params.top_k > 0 else -1
+    # Any top_k from the vocabulary size up keeps every token; capped so that it fits the socket message's integers.
+    top_k = min(top_k, INT32_MAX)
     return {
         "temperature": 1.0 if params.temperature is None else params.temperature,
         "top_p": 1.0 if params.top_p is None else params.top_p,
@@ -524,6 +571,7 @@ def to_sampling_fields(req: CompletionRequest | ChatCompletionRequest | Generate
         "repetition_penalty": params.repetition_penalty,
         "n": params.n,
         "logprobs": logprobs,
-        "include_stop_str_in_output": params.include_stop_str_in_output,
+        "include_stop_str_in_output": params.include_stop_str_in_output or getattr(params, "no_stop_trim", False),
         "skip_special_tokens": params.skip_special_tokens,
+        **sampling_fields(params),  # json_schema / regex / ebnf / logit_bias (structured_fields.py)
     }

@@ -2,12 +2,13 @@
 
 One HTTP request becomes a RequestGroup of sequences: one per prompt and per choice (n), each a separate scheduler
 request with rid f"{request_id}-{index}". A background task receives BatchOutputs from the scheduler, turns each
-RequestOutput into text (incremental detokenization, stop strings) and puts a SequenceOutput into its group's queue,
-where the HTTP handler (streaming or not) picks it up.
+RequestOutput into text through the sequence's RequestPipeline (radixserve/request_pipeline.py, the same code as
+Engine.generate) and puts the SequenceOutput into its group's queue, where the HTTP handler (streaming or not)
+picks it up.
 
-Stop strings are matched here, on text: when one completes, the sequence is finished for the client at once and an
-AbortRequest frees it in the scheduler (which never sees stop strings). A client that disconnects gets the same
-treatment. Outputs that arrive for a sequence already finished here are dropped.
+The scheduler decides when a sequence finishes (stop strings included). Only a client that disconnects, or an
+engine that stops answering, ends a sequence here: it is finished for the client at once and an AbortRequest frees
+it in the scheduler. Outputs that arrive for a sequence already finished here are dropped.
 
 Sends never block: the PUSH socket has no high-water mark and is connected (ZeroMQ queues for a peer that is not up
 yet), so a send on the zmq.asyncio socket completes immediately and the returned future can be ignored. That lets
@@ -20,7 +21,7 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import msgspec
@@ -28,11 +29,12 @@ import zmq
 import zmq.asyncio
 
 from radixserve.ipc import AsyncChannel, Endpoints
+from radixserve.protocol import EngineFailed
 from radixserve.protocol import (AbortRequest, BatchOutput, FlushCacheRequest, FlushCacheResult, RequestOutput,
                                  SchedulerLoad, SchedulerToTokenizer, ServerInfo, ServerInfoRequest,
-                                 TokenizedRequest, TokenLogprobs, pack_i32, unpack_i32)
+                                 TokenizedRequest, pack_i32)
+from radixserve.request_pipeline import RequestPipeline, SequenceOutput, SequenceResult
 from radixserve.sampling import SamplingParams
-from tokenizer_service.detokenizer import IncrementalDetokenizer
 from tokenizer_service.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -55,49 +57,16 @@ class EngineUnavailable(Exception):
     """The server is shutting down or the engine stopped answering (HTTP 503)."""
 
 
-@dataclass
-class SequenceOutput:
-    """What one choice produced since the previous output: new text and tokens, and on the last one how it ended."""
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs]  # one per token of token_ids when the client asked for logprobs, else empty
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | error
-    matched_stop: int | str | None = None  # the stop token id or stop string that ended the sequence
-    error: str | None = None
-    error_status: int = 500  # HTTP status for `error`
+class Sequence(RequestPipeline):
+    """One scheduler request: one choice of one prompt, with what the HTTP side tracks about it."""
 
-
-@dataclass
-class Sequence:
-    """One scheduler request: one choice of one prompt."""
-    rid: str
-    index: int  # choice index in the response: prompt_number * n + sample_number
-    prompt_index: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    detokenizer: IncrementalDetokenizer
-    group: "RequestGroup"
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    admitted: bool = False  # the scheduler sent its first output
-    finished: bool = False
-    arrival: float = 0.0  # time.monotonic() when the HTTP request arrived
-    last_token_at: float | None = None
-
-
-@dataclass
-class SequenceResult:
-    """Everything one choice produced, for non-streaming responses."""
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    matched_stop: int | str | None = None
-    error: str | None = None
-    error_status: int = 500
+    def __init__(self, rid: str, index: int, prompt_index: int, prompt_ids: list[int], params: SamplingParams,
+                 tokenizer, group: "RequestGroup", arrival: float):
+        super().__init__(rid, prompt_ids, params, tokenizer, index)
+        self.prompt_index = prompt_index
+        self.group = group
+        self.arrival = arrival  # time.monotonic() when the HTTP request arrived
+        self.last_token_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -147,13 +116,7 @@ class RequestGroup:
         results = {s.index: SequenceResult(s.index) for s in self.sequences}
         async for batch in self.stream():
             for out in batch:
-                result = results[out.index]
-                result.text += out.text
-                result.token_ids += out.token_ids
-                result.logprobs += out.logprobs
-                if out.finished:
-                    result.finish_reason, result.matched_stop = out.finish_reason, out.matched_stop
-                    result.error, result.error_status = out.error, out.error_status
+                results[out.index].add(out)
         return [results[i] for i in sorted(results)]
 
     def usage(self) -> Usage:
@@ -237,10 +200,8 @@ class RequestManager:
                 else:
                     params_j = params
                 index = prompt_index * n + sample
-                detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_ids, params_j.skip_special_tokens,
-                                                     params_j.stop, params_j.include_stop_str_in_output)
-                seq = Sequence(f"{request_id}-{index}", index, prompt_index, prompt_ids, params_j, detokenizer, group,
-                               arrival=arrival)
+                seq = Sequence(f"{request_id}-{index}", index, prompt_index, prompt_ids, params_j, self.tokenizer,
+                               group, arrival)
                 group.add(seq)
         for seq in group.sequences:
             self._sequences[seq.rid] = seq
@@ -251,12 +212,11 @@ class RequestManager:
     def abort_group(self, group: RequestGroup) -> None:
         for seq in group.sequences:
             if not seq.finished:
-                self._end_locally(seq, SequenceOutput(seq.index, "", [], [], finished=True, finish_reason="abort"))
+                self._end_locally(seq, seq.end("abort"))
 
     def fail_all(self, message: str, status: int = 503) -> None:
         for seq in list(self._sequences.values()):
-            self._end_locally(seq, SequenceOutput(seq.index, "", [], [], finished=True, finish_reason="error",
-                                                  error=message, error_status=status))
+            self._end_locally(seq, seq.end("error", message, status))
 
     def _end_locally(self, seq: Sequence, final: SequenceOutput) -> None:
         """Finish a sequence here and tell the scheduler to drop it (free its KV without caching it)."""
@@ -264,7 +224,6 @@ class RequestManager:
         self._finish(seq, final)
 
     def _finish(self, seq: Sequence, final: SequenceOutput) -> None:
-        seq.finished = True
         self._sequences.pop(seq.rid, None)
         self.metrics.num_requests_in_flight.set(self.num_in_flight)
         self.metrics.observe_finish(final.finish_reason or "unknown")
@@ -285,6 +244,10 @@ class RequestManager:
                     future = self._replies.pop(message.request_id, None)
                     if future is not None and not future.done():
                         future.set_result(message)
+                elif isinstance(message, EngineFailed):  # from launch.py: a child died or hung
+                    logger.error("%s", message.reason)
+                    self._closing = True  # /health answers 503 and new requests are refused from now on
+                    self.fail_all(message.reason, status=503)
             except Exception:  # noqa: BLE001 - one bad message must not stop every request's outputs
                 logger.exception("failed to handle %s from the scheduler", type(message).__name__)
 
@@ -295,66 +258,33 @@ class RequestManager:
         for out in batch.outputs:
             seq = self._sequences.get(out.rid)
             if seq is None:
-                continue  # finished here already (stop string, disconnect); the scheduler's late outputs are moot
+                continue  # finished here already (disconnect, engine lost); the scheduler's late outputs are moot
             try:
                 self._on_output(seq, out, now)
             except Exception as e:  # noqa: BLE001 - e.g. a tokenizer failing on one sequence: fail just that one
                 logger.exception("failed to process output of %s", out.rid)
-                self._end_locally(seq, SequenceOutput(seq.index, "", [], [], finished=True, finish_reason="error",
-                                                      error=f"internal error while detokenizing: {e}"))
+                self._end_locally(seq, seq.end("error", f"internal error while detokenizing: {e}"))
 
     def _on_output(self, seq: Sequence, out: RequestOutput, now: float) -> None:
         m = self.metrics
-        if not seq.admitted and (out.token_ids or not out.finished):
-            seq.admitted = True
-            seq.cached_tokens = out.cached_tokens
+        was_admitted = seq.admitted
+        output = seq.process(out)
+        if seq.admitted and not was_admitted:
             m.prompt_tokens.inc(len(seq.prompt_ids))
-            m.cached_tokens.inc(out.cached_tokens)
+            m.cached_tokens.inc(seq.cached_tokens)
             if out.queue_time is not None:
                 m.queue_time.observe(out.queue_time)
-        token_ids = unpack_i32(out.token_ids).tolist()
-        output = SequenceOutput(seq.index, "", token_ids,
-                                list(out.logprobs) if seq.params.logprobs is not None else [])
-        if token_ids:
+        if output.token_ids:
             if seq.last_token_at is None:
                 m.time_to_first_token.observe(now - seq.arrival)
             else:
                 m.inter_token_latency.observe(now - seq.last_token_at)
             seq.last_token_at = now
-            seq.completion_tokens += len(token_ids)
-            m.generation_tokens.inc(len(token_ids))
-            visible = token_ids
-            if (out.finished and out.finish_reason == "stop" and out.matched_stop_token is not None
-                    and token_ids[-1] == out.matched_stop_token and not seq.params.include_stop_str_in_output):
-                # As vLLM: a stop token (EOS or stop_token_ids) ends the text without being part of it, though
-                # it counts as a completion token.
-                visible = token_ids[:-1]
-            delta = seq.detokenizer.add_tokens(visible)
-            output.text = delta.text
-            if delta.stopped:
-                output.finished, output.finish_reason, output.matched_stop = True, "stop", delta.matched_stop
-                if out.finished:
-                    self._finish(seq, output)  # the scheduler has let go of it already
-                else:
-                    self._end_locally(seq, output)
-                return
-        if not out.finished:
+            m.generation_tokens.inc(len(output.token_ids))
+        if output.finished:
+            self._finish(seq, output)  # the scheduler has let go of it already
+        else:
             seq.group.deliver(output)
-            return
-        output.finished, output.finish_reason = True, out.finish_reason
-        if out.finish_reason in ("stop", "length"):
-            output.text += seq.detokenizer.flush().text
-            output.matched_stop = out.matched_stop_token
-        elif out.finish_reason == "error":
-            output.error = out.error or "the scheduler failed this request"
-            # A request the scheduler refused before generating anything is the request's fault (too long for
-            # the KV cache, ...); a failure midway is ours.
-            output.error_status = 400 if seq.completion_tokens == 0 else 500
-        else:  # "abort": we never asked for it, so the engine dropped the request
-            output.finish_reason = "error"
-            output.error = out.error or "the engine aborted this request"
-            output.error_status = 503
-        self._finish(seq, output)
 
     # ------------------------------------------------------------------ control requests
     async def _ask(self, message_type, timeout: float):

@@ -1,5 +1,7 @@
 """The tokenizer process: loads the tokenizer, connects to the scheduler, serves HTTP with uvicorn on uvloop until
-SIGTERM / SIGINT.
+SIGTERM / SIGINT. Its imports do not load torch (tests/test_http_security.py checks that): the process only parses,
+tokenizes and streams. (Loading the tokenizer is another matter: transformers 5 imports torch from its own
+configuration module wherever torch is installed.)
 
 Shutdown order matters: on a signal, requests in flight are ended with a 503-style error first (their streams
 close), then uvicorn stops listening and closes idle connections. Without that, uvicorn's graceful shutdown would
@@ -22,11 +24,12 @@ import uvicorn
 import uvloop
 
 from radixserve.config import ModelConfig, ServerArgs
-from radixserve.engine import load_tokenizer
 from radixserve.ipc import Endpoints
 from tokenizer_service.app import ServingContext, build_app
+from tokenizer_service.http_protocol import protocol_class
 from tokenizer_service.metrics import ServerMetrics
 from tokenizer_service.request_manager import RequestManager
+from tokenizer_service.tokenization import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +68,9 @@ async def _serve(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_read
                          context_len=model_config.context_len(args.context_length), tokenizer=tokenizer,
                          manager=manager, metrics=metrics, started_at=int(time.time()))
     app = build_app(ctx)
-    config = uvicorn.Config(app, lifespan="off", access_log=False, log_level=args.log_level.lower(),
-                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, timeout_keep_alive=30)
+    config = uvicorn.Config(app, http=protocol_class(args.max_header_bytes), lifespan="off", access_log=False,
+                            log_level=args.log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+                            timeout_keep_alive=30)
     server = _Server(config)
     sock = _bind(args.host, args.port)
 
@@ -96,4 +100,5 @@ async def _serve(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_read
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
         await manager.close()
+        ctx.tokenization.close()
         sock.close()

@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from radixserve.cache.memory_pool import TokenSlotAllocator
+from radixserve.cache.slot_allocator import TokenSlotAllocator
 
 _EMPTY = np.zeros(0, dtype=np.int32)
 
@@ -69,6 +69,9 @@ class RadixCache:
         self.allocator = allocator
         self.disable = disable
         self._clock = itertools.count(1)
+        # Told of every change to what is cached (inserted(tokens), evicted(path, key), cleared()): a data-parallel
+        # scheduler reports them so the front end's mirror of this tree stays exact (scheduler_service/cache_events.py).
+        self.listener = None
         self._clear()
 
     def _clear(self) -> None:
@@ -130,6 +133,8 @@ class RadixCache:
         already_cached = pos
         if pos < len(tokens):
             self._add_leaf(node, tokens[pos:].copy(), slots[pos:].copy(), now)
+            if self.listener is not None:
+                self.listener.inserted(tokens)
         if duplicates:
             self.allocator.free(np.concatenate(duplicates))
         return already_cached
@@ -174,6 +179,8 @@ class RadixCache:
                 continue  # stale entry
             self._evictable_leaves.remove(node)
             parent = node.parent
+            if self.listener is not None:
+                self.listener.evicted(self._path_tokens(parent), node.key)
             del parent.children[int(node.key[0])]
             node.parent = None
             freed_slots.append(node.value)
@@ -191,6 +198,8 @@ class RadixCache:
             raise RuntimeError(f"reset() while {self.protected_size} cached tokens are locked by running requests")
         slots = [node.value for node in self._nodes()]
         self._clear()
+        if self.listener is not None:
+            self.listener.cleared()
         if slots:
             self.allocator.free(np.concatenate(slots))
 
@@ -248,6 +257,14 @@ class RadixCache:
             # starts with the token that mismatched.
             pos += matched
         return path, now
+
+    def _path_tokens(self, node: TreeNode) -> np.ndarray:
+        """The tokens from the root down to the end of node."""
+        keys = []
+        while node is not self.root:
+            keys.append(node.key)
+            node = node.parent
+        return np.concatenate(keys[::-1]) if keys else _EMPTY
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut node after `at` tokens; returns the new upper part. The original object keeps the

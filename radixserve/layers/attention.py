@@ -1,5 +1,6 @@
 """Paged attention over the token-granular KV cache: stores the new K/V into their slots, then attends through
-req_to_token: the extend kernel for prompt chunks, the split-KV decode kernel for the decodes of the batch."""
+req_to_token: the extend kernel for prompt chunks, the split-KV decode kernel for the decodes of the batch (its
+grouped form when decodes share a prefix: kernels/shared_prefix_attention.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,14 @@ class Attention(nn.Module):
             kernels.extend_attention(q[:t], k[:t], v[:t], o[:t], self.k_cache, self.v_cache, ctx.req_to_token,
                                      ctx.req_pool_indices[:n], ctx.prefix_lens[:n], ctx.extend_lens[:n],
                                      ctx.extend_start_loc[:n], self.scale, ctx.max_extend_len)
-        if t < q.shape[0]:
+        g = ctx.decode_groups
+        if t < q.shape[0] and g is None:
             kernels.decode_attention(q[t:], self.k_cache, self.v_cache, o[t:], ctx.req_to_token,
                                      ctx.req_pool_indices[n:], ctx.seq_lens[n:], self.scale, ctx.max_seq_len)
+        elif t < q.shape[0]:
+            # Decodes that share a prefix: its K/V is read once per group instead of once per member.
+            kernels.decode_attention_grouped(
+                q[t:], self.k_cache, self.v_cache, o[t:], ctx.req_to_token, ctx.req_pool_indices[n:],
+                ctx.seq_lens[n:], g.prefix_lens, g.prefix_rows, g.member_start, g.members, g.req_group,
+                g.req_suffix_start, self.scale, ctx.max_seq_len, g.max_prefix_len, g.max_group_size)
         return o

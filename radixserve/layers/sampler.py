@@ -1,6 +1,9 @@
-"""Token sampling on the logits of each request's last position: penalties, temperature, top-k, top-p, min-p,
-per-request seeds. Sampling uses the exponential race (argmax of p / Exp(1) noise), which draws from p exactly
-and lets seeded rows take their noise from their own generator."""
+"""Token sampling on the logits of each request's last position: logit bias, penalties, grammar masks, temperature,
+top-k, top-p, min-p, per-request seeds. Sampling uses the exponential race (argmax of p / Exp(1) noise), which draws
+from p exactly and lets seeded rows take their noise from their own generator.
+
+Every change to a row's logits looks only at that row's own request, so a request gets the same tokens whatever else
+shares its batch (a constrained neighbour included)."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.grammar import RequestGrammar, allocate_bitmask, apply_bitmask, fill_bitmasks
 from radixserve.sampling import SamplingParams
 
 
@@ -19,6 +23,19 @@ class SamplingRequestState:
     num_outputs: int
     output_counts: torch.Tensor | None  # [V] int32 counts of generated tokens, only when penalties are asked for
     seen_mask: torch.Tensor | None  # [V] bool prompt+output tokens, only for the repetition penalty
+    grammar: RequestGrammar | None = None  # structured output: which tokens may come next
+    # logit_bias as (ids, values) tensors on the sampler's device, made on first use
+    logit_bias_tensors: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def on_sampled(self, token: int) -> None:
+        """Record a token sampled for this request (by every rank, so that all ranks stay in step)."""
+        self.num_outputs += 1
+        if self.output_counts is not None:
+            self.output_counts[token] += 1
+        if self.seen_mask is not None:
+            self.seen_mask[token] = True
+        if self.grammar is not None:
+            self.grammar.accept(token)
 
 
 def _seed_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
@@ -40,7 +57,14 @@ class Sampler:
         params = [s.params for s in states]
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
+        constrained = [i for i, s in enumerate(states) if s.grammar is not None and s.grammar.active]
+        # min_tokens bans EOS with -inf, which can forbid every token the grammar allows (when only EOS may come): keep
+        # those rows' raw logits to fall back on. Bias and penalties are finite and cannot do that.
+        at_risk = [i for i in constrained if states[i].num_outputs < states[i].params.min_new_tokens]
+        unbanned = logits[at_risk] if at_risk else None  # a copy (advanced indexing)
+        self._apply_logit_bias(logits, states)
         logits = self._apply_penalties(logits, states)
+        self._apply_grammars(logits, states, constrained, at_risk, unbanned)
         if all(p.is_greedy for p in params):
             return logits.argmax(dim=-1), raw_logprobs
 
@@ -56,21 +80,76 @@ class Sampler:
         greedy = torch.tensor([p.is_greedy for p in params], device=dev)
         return torch.where(greedy, logits.argmax(dim=-1), tokens), raw_logprobs
 
+    def _apply_logit_bias(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
+        """Every biased row's bias in one scatter-add (a row's ids are distinct, so the sum is exact)."""
+        rows = [i for i, s in enumerate(states) if s.params.logit_bias]
+        if not rows:
+            return
+        row_index, ids, values = [], [], []
+        for i in rows:
+            s = states[i]
+            if s.logit_bias_tensors is None:
+                token_ids, biases = zip(*s.params.logit_bias.items())
+                s.logit_bias_tensors = (torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+                                        torch.tensor(biases, dtype=torch.float32, device=self.device))
+            row_ids, row_values = s.logit_bias_tensors
+            row_index.append(torch.full_like(row_ids, i))
+            ids.append(row_ids)
+            values.append(row_values)
+        logits.index_put_((torch.cat(row_index), torch.cat(ids)), torch.cat(values).to(logits.dtype), accumulate=True)
+
+    def _apply_grammars(self, logits: torch.Tensor, states: list[SamplingRequestState], rows: list[int],
+                        at_risk: list[int], unbanned: torch.Tensor | None) -> None:
+        """Forbid, in the constrained rows only, every token the row's grammar does not allow next."""
+        if not rows:
+            return
+        bitmask = allocate_bitmask(len(states), logits.shape[1])
+        fill_bitmasks([states[i].grammar for i in rows], bitmask, rows)
+        apply_bitmask(logits, bitmask, rows)
+        if not at_risk:
+            return
+        # A row with nothing left to sample: the grammar wins over min_tokens, since a reply that breaks the grammar
+        # is of no use. It samples from its raw logits, masked by the grammar alone (usually only EOS is left).
+        dead = torch.isneginf(logits[at_risk].amax(dim=-1)).nonzero().flatten().tolist()
+        if dead:
+            dead_rows = [at_risk[j] for j in dead]
+            fallback = unbanned[dead]
+            apply_bitmask(fallback, bitmask[dead_rows], list(range(len(dead))))
+            logits[dead_rows] = fallback
+
     def _apply_penalties(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> torch.Tensor:
+        """min_tokens bans, frequency/presence and repetition penalties: one batched op each over the rows that ask
+        for it (the per-row state tensors are stacked), the same arithmetic as row by row."""
+        ban_rows, ban_ids, count_rows, seen_rows = [], [], [], []
         for i, s in enumerate(states):
             p = s.params
             if s.num_outputs < p.min_new_tokens:
                 # Too early to stop: EOS and stop tokens are not allowed yet.
                 banned = ([] if p.ignore_eos else s.eos_ids) + list(p.stop_token_ids)
-                if banned:
-                    logits[i, banned] = float("-inf")
+                ban_rows += [i] * len(banned)
+                ban_ids += banned
             if s.output_counts is not None:
-                counts = s.output_counts.to(logits.dtype)
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
+                count_rows.append(i)
             if s.seen_mask is not None and p.repetition_penalty != 1.0:
-                row = logits[i]
-                penalised = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                logits[i] = torch.where(s.seen_mask, penalised, row)
+                seen_rows.append(i)
+        dev = logits.device
+        if ban_rows:
+            logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = float("-inf")
+        if count_rows:
+            rows = torch.tensor(count_rows, device=dev)
+            counts = torch.stack([states[i].output_counts for i in count_rows]).to(logits.dtype)
+            freq = torch.tensor([states[i].params.frequency_penalty for i in count_rows], device=dev)
+            presence = torch.tensor([states[i].params.presence_penalty for i in count_rows], device=dev)
+            logits[rows] -= (freq.to(logits.dtype).unsqueeze(1) * counts
+                             + presence.to(logits.dtype).unsqueeze(1) * (counts > 0).to(logits.dtype))
+        if seen_rows:
+            rows = torch.tensor(seen_rows, device=dev)
+            seen = torch.stack([states[i].seen_mask for i in seen_rows])
+            penalty = torch.tensor([states[i].params.repetition_penalty for i in seen_rows], device=dev)
+            penalty = penalty.to(logits.dtype).unsqueeze(1)
+            row = logits[rows]
+            penalised = torch.where(row > 0, row / penalty, row * penalty)
+            logits[rows] = torch.where(seen, penalised, row)
         return logits
 
     @staticmethod

@@ -2,7 +2,7 @@
 
     python -m radixserve.testing smollm2
     python -m radixserve.testing tiny qwen3 --set num_hidden_layers=4 --set seed=1
-    python -m radixserve.testing dummy qwen3-8b --tokenizer ../shared/data/tokenizers/qwen3
+    python -m radixserve.testing dummy qwen3-8b --tokenizer DIR_WITH_A_TOKENIZER
 """
 
 from __future__ import annotations

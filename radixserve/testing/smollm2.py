@@ -10,6 +10,9 @@ the GGUF out of the zip, dequantize it with transformers' GGUF utilities and sav
     tokenizer.json, tokenizer_config.json (+ chat_template.jinja)   ChatML template, eos <|im_end|>
     generation_config.json   bos 1 (<|im_start|>), eos 2 (<|im_end|>), pad 2
 
+The tokenizer files are written from the GGUF metadata with the `tokenizers` library, not by transformers' GGUF
+tokenizer conversion, whose result changes between transformers versions.
+
 Weights are saved in float32: the Q4_1 values (4-bit integer * fp16 scale + fp16 offset) are exact in
 fp32 but not in bf16, so fp32 keeps the weights bit-identical to what the GGUF encodes and lets CPU
 parity tests against HF compare in fp32 without a cast in between. The engine may cast at load time.
@@ -40,7 +43,7 @@ SMOLLM2_GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728
 WHEEL_ENV = "RADIXSERVE_SMOLLM2_WHEEL"
 
 # Bump the suffix whenever the build below changes what it writes, so old caches are not reused.
-SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-fp32-v1"
+SMOLLM2_CACHE_NAME = "smollm2-135m-instruct-fp32-v2"
 
 # Values of the published HF config that the GGUF stores differently or not at all.
 _MODEL_MAX_LENGTH = 8192
@@ -176,42 +179,71 @@ def _add_legacy_rope_keys(config_path: Path) -> None:
     config_path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
+def _gguf_tokenizer_fields(gguf_path: Path) -> dict:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+
+    def value(key: str):
+        if key not in fields:
+            raise RuntimeError(f"the SmolLM2 GGUF has no {key}")
+        return fields[key].contents()
+
+    return {key: value(f"tokenizer.{key}") for key in (
+        "ggml.model", "ggml.pre", "ggml.tokens", "ggml.token_type", "ggml.merges", "ggml.bos_token_id",
+        "ggml.eos_token_id", "ggml.padding_token_id", "ggml.unknown_token_id", "ggml.add_bos_token",
+        "chat_template")}
+
+
 def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
-    from transformers import AutoTokenizer
+    """tokenizer.json and tokenizer_config.json straight from the GGUF metadata with the `tokenizers` library.
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    if tokenizer.chat_template is None:
-        raise RuntimeError("the SmolLM2 GGUF carries no chat template")
-    tokenizer.model_max_length = _MODEL_MAX_LENGTH
-    tokenizer.save_pretrained(out_dir)
+    transformers' GGUF conversion differs between its versions (5.17 names <|im_start|> the eos), so none of it is
+    used: the byte-level BPE, its special tokens, the pre-tokenizer llama.cpp applies for `tokenizer.ggml.pre`
+    "smollm", and eos/bos/pad/chat template are all set here, the same under any transformers."""
+    from gguf import TokenType
+    from tokenizers import AddedToken, Tokenizer, decoders, pre_tokenizers, processors
+    from tokenizers.models import BPE
 
-    # transformers' GGUF converter ignores `tokenizer.ggml.pre` ("smollm"), under which llama.cpp, like
-    # the original SmolLM2 tokenizer, splits every digit into its own pre-token. Restore that step.
-    tokenizer_json = out_dir / "tokenizer.json"
-    tok = json.loads(tokenizer_json.read_text())
-    byte_level = tok["pre_tokenizer"]
-    if byte_level.get("type") != "ByteLevel":
-        raise RuntimeError(f"unexpected pre-tokenizer in the GGUF conversion: {byte_level}")
-    tok["pre_tokenizer"] = {
-        "type": "Sequence",
-        "pretokenizers": [{"type": "Digits", "individual_digits": True}, byte_level],
+    meta = _gguf_tokenizer_fields(gguf_path)
+    if (meta["ggml.model"], meta["ggml.pre"]) != ("gpt2", "smollm"):
+        raise RuntimeError(f"unexpected GGUF tokenizer {meta['ggml.model']!r} / pre {meta['ggml.pre']!r}")
+    tokens, types = meta["ggml.tokens"], meta["ggml.token_type"]
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = [tuple(merge.split(" ")) for merge in meta["ggml.merges"]]
+    tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    # As llama.cpp under "smollm" and the original SmolLM2 tokenizer: every digit is its own pre-token, then
+    # GPT-2's byte-level split. No prefix space; nothing added around a sequence (add_bos_token is false).
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    # llama.cpp's CONTROL tokens are special added tokens (never split, skipped when decoding), USER_DEFINED ones
+    # plain added tokens; NORMAL ones are BPE vocabulary.
+    added = [AddedToken(token, special=kind == TokenType.CONTROL, normalized=False)
+             for token, kind in zip(tokens, types) if kind in (TokenType.CONTROL, TokenType.USER_DEFINED)]
+    tokenizer.add_tokens(added)  # ids stay as in the vocabulary: each is already there
+    if tokenizer.get_vocab_size() != len(tokens):
+        raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, the GGUF {len(tokens)}")
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+
+    bos, eos = tokens[meta["ggml.bos_token_id"]], tokens[meta["ggml.eos_token_id"]]
+    if (bos, eos) != ("<|im_start|>", "<|im_end|>"):  # the ChatML markers the engine stops on
+        raise RuntimeError(f"unexpected special tokens in the GGUF: bos {bos!r}, eos {eos!r}")
+    template = meta["chat_template"]
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # known to transformers 4 and 5: loads tokenizer.json as is
+        "bos_token": bos,
+        "eos_token": eos,
+        "pad_token": tokens[meta["ggml.padding_token_id"]],
+        "unk_token": tokens[meta["ggml.unknown_token_id"]],
+        "add_bos_token": bool(meta["ggml.add_bos_token"]),
+        "clean_up_tokenization_spaces": False,  # byte-level BPE decodes exactly; "cleanup" would alter text
+        "model_max_length": _MODEL_MAX_LENGTH,
+        "chat_template": template,  # for readers of tokenizer_config.json only (transformers 4, other engines)
     }
-    tokenizer_json.write_text(json.dumps(tok, ensure_ascii=False, indent=2) + "\n")
-
-    config_path = out_dir / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    for key in ("is_local", "local_files_only"):  # facts about this build, not about the tokenizer
-        config.pop(key, None)
-    # transformers 5 saves the template to chat_template.jinja; readers that only look at
-    # tokenizer_config.json (transformers 4, other engines) find it here too.
-    config["chat_template"] = tokenizer.chat_template
-    # The generic fast-tokenizer class name known to both transformers 4 and 5 (an alias of
-    # TokenizersBackend in 5): load tokenizer.json as it is.
-    config["tokenizer_class"] = "PreTrainedTokenizerFast"
-    config["add_bos_token"] = False  # the GGUF's tokenizer.ggml.add_bos_token; ChatML adds its own markers
-    config_path.write_text(json.dumps(config, ensure_ascii=False, indent=2, sort_keys=True) + "\n")
-
-    # Sanity: the special tokens the engine stops on must be the ChatML ones.
-    if tokenizer.eos_token != "<|im_end|>" or tokenizer.bos_token != "<|im_start|>":
-        raise RuntimeError(f"unexpected special tokens: bos {tokenizer.bos_token!r}, eos {tokenizer.eos_token!r}")
-
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2, sort_keys=True)
+                                                    + "\n")
+    (out_dir / "chat_template.jinja").write_text(template)  # where transformers 5 looks first

@@ -213,7 +213,7 @@ def dummy_config_json(name: str) -> dict[str, Any]:
 def dummy_config_dir(name: str, tokenizer_dir: str | Path | None = None) -> Path:
     """A cached directory with config.json (+ generation_config.json) of a real shape, no weights.
 
-    With `tokenizer_dir` (e.g. ../shared/data/tokenizers/qwen3) its tokenizer files are copied in,
+    With `tokenizer_dir` (e.g. a Qwen3 tokenizer directory) its tokenizer files are copied in,
     so the directory serves as `--model DIR --load-format dummy` on its own.
     """
     config = dummy_config_json(name)

@@ -1,23 +1,30 @@
-"""One rank's model: weights, the KV cache, the req_to_token table, and one forward + sample per ForwardBatch."""
+"""One rank's model: weights, the KV cache, the req_to_token table, and one forward + sample per ForwardBatch.
+
+req_to_token has one writer, this runner: each step it derives every assignment from the batch (the new tokens'
+slots at their positions, plus the batch's reused_slots) and writes them in one scatter before the forward. The
+scheduler decides slots but holds no table (ReqToTokenPool says why)."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import kernels
-from radixserve.cache.memory_pool import KVCache, ReqToTokenPool
+from radixserve.worker.kv_cache import KVCache, ReqToTokenPool
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.distributed import get_tp_rank, get_tp_size
-from radixserve.forward_context import ForwardContext, set_forward_context
+from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
+from radixserve.grammar import WorkerGrammars
 from radixserve.layers.sampler import Sampler, SamplingRequestState
 from radixserve.loader import load_dummy, load_safetensors
 from radixserve.models.registry import model_class
 from radixserve.worker.cuda_graph import DecodeCudaGraphs
-from radixserve.protocol import ForwardBatch, SampledTokens, TokenLogprobs, WorkerRequest, unpack_i32
+from radixserve.protocol import (ForwardBatch, SampledTokens, TokenLogprobs, WorkerRequest, future_token_ring_size,
+                                 unpack_i32)
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +35,19 @@ def batch_positions(prefix_lens: np.ndarray, extend_lens: np.ndarray) -> np.ndar
     """Position of every new token: prefix_lens[i] + 0..extend_lens[i]-1, concatenated."""
     starts = np.cumsum(extend_lens) - extend_lens
     return (np.repeat(prefix_lens - starts, extend_lens) + np.arange(int(extend_lens.sum()))).astype(np.int64)
+
+
+@dataclass
+class SampledStep:
+    """A step whose tokens are sampled on the device but not yet read back (ModelRunner.sample -> finish_step)."""
+    step: int
+    tokens: torch.Tensor | None  # None: nothing sampled this step
+    logprobs: torch.Tensor | None
+    states: list[SamplingRequestState]
+    done: "torch.cuda.Event | None" = None  # recorded after sampling (GPU): query() tells whether the tokens exist
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
 
 
 class ModelRunner:
@@ -51,10 +71,16 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(server_args.max_running_requests, self.context_len, self.device)
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self.request_states: dict[int, SamplingRequestState] = {}  # by req_pool_idx
+        self.grammars = WorkerGrammars(server_args.grammar_backend, server_args.tokenizer or model_dir,
+                                       cfg.vocab_size, cfg.eos_token_ids)
+        # Overlapped scheduling: sampled tokens stay here for the next batch, whose placeholder ids refer to them.
+        self.future_tokens = torch.zeros(future_token_ring_size(server_args.max_running_requests), dtype=torch.int64,
+                                         device=self.device)
         self.cuda_graphs = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
             self.cuda_graphs = DecodeCudaGraphs(self.model, self.req_to_token_pool.table, self.context_len,
-                                                min(server_args.cuda_graph_max_bs, server_args.max_running_requests))
+                                                min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
+                                                grouped=not server_args.disable_shared_prefix_attention)
 
     # ------------------------------------------------------------------ setup
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
@@ -111,7 +137,7 @@ class ModelRunner:
             seen[torch.from_numpy(ids).to(self.device)] = True
         self.request_states[req.req_pool_idx] = SamplingRequestState(
             params=p, eos_ids=self.model_config.eos_token_ids, num_outputs=len(outputs), output_counts=counts,
-            seen_mask=seen)
+            seen_mask=seen, grammar=self.grammars.matcher(p, outputs.tolist()))
 
     def _to_device(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
         """Several small host arrays in one host-to-device copy (each copy costs a launch and a sync point)."""
@@ -119,36 +145,60 @@ class ModelRunner:
         packed = torch.from_numpy(np.concatenate(arrays).astype(dtype, copy=False)).to(self.device, non_blocking=True)
         return list(packed.split(sizes))
 
+    def _req_to_token_writes(self, batch: ForwardBatch, rows, prefix_lens, extend_lens, new_slots):
+        """Every req_to_token assignment the batch implies, as (flat index, slot) arrays: the new tokens' slots at
+        prefix_len.., then the reused slots (cached prefixes, ranges re-pointed at the tree's copy). Later entries
+        win, which never matters: a step's reused ranges and new tokens do not overlap."""
+        pool = self.req_to_token_pool
+        index = pool.flat_index(rows, prefix_lens, extend_lens)
+        if not batch.reused_slots:
+            return index, new_slots
+        reused = [unpack_i32(r.slots) for r in batch.reused_slots]
+        reused_index = pool.flat_index([r.req_pool_idx for r in batch.reused_slots],
+                                       [r.start for r in batch.reused_slots], [len(s) for s in reused])
+        return np.concatenate([index, reused_index]), np.concatenate([new_slots, *reused])
+
+    def _decode_groups(self, batch: ForwardBatch, num_extend: int) -> DecodeGroups | None:
+        """The batch's prefix groups as the grouped decode kernel takes them (one host-to-device copy)."""
+        if batch.prefix_groups is None:
+            return None
+        flat, max_prefix_len, max_group_size = pack_decode_groups(batch.prefix_groups, num_extend)
+        num_groups = len(unpack_i32(batch.prefix_groups.prefix_lens))
+        return DecodeGroups.view(torch.from_numpy(flat).to(self.device, non_blocking=True), num_groups,
+                                 len(unpack_i32(batch.req_pool_indices)) - num_extend, max_prefix_len,
+                                 max_group_size)
+
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
         """Run the model on the batch; logits of each request's last token ([B, V]), or of every token."""
         for req in batch.new_requests:
             self._register(req)
-        table = self.req_to_token_pool.table
-        for w in batch.row_writes:
-            self.req_to_token_pool.write(w.req_pool_idx, w.start, unpack_i32(w.slots).copy())
-
         rows, prefix_lens = unpack_i32(batch.req_pool_indices), unpack_i32(batch.prefix_lens)
         extend_lens = unpack_i32(batch.extend_lens)
         positions = batch_positions(prefix_lens, extend_lens)
         seq_lens = prefix_lens + extend_lens
-        if seq_lens.max(initial=0) > self.context_len:
-            raise ValueError(f"sequence of {seq_lens.max()} tokens exceeds the context length {self.context_len}")
         extend_start = (np.cumsum(extend_lens) - extend_lens).astype(np.int32)
         last_index = extend_start + extend_lens - 1
-        flat_index = np.repeat(rows.astype(np.int64), extend_lens) * table.shape[1] + positions
-        rows_t, prefix_t, extend_t, start_t, seq_lens_t, out_cache_loc = self._to_device(
-            [rows, prefix_lens, extend_lens, extend_start, seq_lens, unpack_i32(batch.out_cache_loc)], np.int32)
-        input_ids, positions_t, flat_index_t, last_index_t = self._to_device(
-            [unpack_i32(batch.input_ids), positions, flat_index, last_index], np.int64)
-        # The new tokens' slots go into req_to_token here, so the kernels read every position through one table.
-        table.view(-1)[flat_index_t] = out_cache_loc
+        new_slots = unpack_i32(batch.out_cache_loc)
+        table_index, table_slots = self._req_to_token_writes(batch, rows, prefix_lens, extend_lens, new_slots)
+        rows_t, prefix_t, extend_t, start_t, seq_lens_t, table_slots_t = self._to_device(
+            [rows, prefix_lens, extend_lens, extend_start, seq_lens, table_slots], np.int32)
+        input_ids, positions_t, table_index_t, last_index_t = self._to_device(
+            [unpack_i32(batch.input_ids), positions, table_index, last_index], np.int64)
+        if (unpack_i32(batch.input_ids) < 0).any():
+            # Placeholders (-(index + 1)) of tokens the previous step sampled: resolved here, with no host sync.
+            input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids - 1).clamp_(min=0)], input_ids)
+        # Every position the kernels read goes through one table, written here and nowhere else.
+        table = self.req_to_token_pool.table
+        self.req_to_token_pool.write(table_index_t, table_slots_t)
+        out_cache_loc = table_slots_t[:len(new_slots)]
 
         # Decodes come last in a batch; find where that tail starts.
         not_decode = np.flatnonzero((extend_lens != 1) | (prefix_lens == 0))
         num_extend = int(not_decode[-1]) + 1 if len(not_decode) else 0
         if num_extend == 0 and not all_positions and self.cuda_graphs is not None and self.cuda_graphs.fits(len(rows)):
-            return self.cuda_graphs.replay(input_ids, positions_t, rows_t, seq_lens_t, out_cache_loc)
+            return self.cuda_graphs.replay(input_ids, positions_t, rows_t, seq_lens_t, out_cache_loc,
+                                           batch.prefix_groups)
         ctx = ForwardContext(
             num_extend_reqs=num_extend,
             num_extend_tokens=int(extend_lens[:num_extend].sum()),
@@ -161,6 +211,7 @@ class ModelRunner:
             out_cache_loc=out_cache_loc,
             max_extend_len=int(extend_lens[:num_extend].max(initial=0)),
             max_seq_len=int(seq_lens[num_extend:].max(initial=0)),
+            decode_groups=self._decode_groups(batch, num_extend),
         )
         set_forward_context(ctx)
         try:
@@ -173,24 +224,40 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> SampledTokens:
-        logits = self.compute_logits(batch)
+        return self.finish_step(self.sample(batch, self.compute_logits(batch)))
+
+    @torch.inference_mode()
+    def sample(self, batch: ForwardBatch, logits: torch.Tensor) -> "SampledStep":
+        """Sample the batch's tokens; they stay on the device (and in the future-token ring for the next batch's
+        placeholders) until finish_step. The worker may compute the next batch's logits in between."""
         mask = np.frombuffer(batch.sample_mask, dtype=np.uint8).astype(bool)
         rows = unpack_i32(batch.req_pool_indices)[mask]
         if not len(rows):
-            return SampledTokens(step=batch.step, token_ids=b"")
+            return SampledStep(batch.step, None, None, [])
         seq_lens = (unpack_i32(batch.prefix_lens) + unpack_i32(batch.extend_lens))[mask]
         logits = logits[torch.from_numpy(np.flatnonzero(mask)).to(self.device)] if not mask.all() else logits
+        # The states themselves, not their rows: the next batch may already have given a row to a new request.
         states = [self.request_states[int(r)] for r in rows]
         tokens, logprobs = self.sampler(logits, states, seq_lens.tolist())
-        token_list = tokens.tolist()
-        for state, token in zip(states, token_list):
-            state.num_outputs += 1
-            if state.output_counts is not None:
-                state.output_counts[token] += 1
-            if state.seen_mask is not None:
-                state.seen_mask[token] = True
-        return SampledTokens(step=batch.step, token_ids=np.asarray(token_list, dtype=np.int32).tobytes(),
-                             logprobs=self._logprobs(logprobs, tokens, states))
+        if batch.future_token_base >= 0:
+            ring = (batch.future_token_base + torch.arange(len(rows), device=self.device)) % len(self.future_tokens)
+            self.future_tokens[ring] = tokens
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
+        return SampledStep(batch.step, tokens, logprobs, states, done)
+
+    @torch.inference_mode()
+    def finish_step(self, step: "SampledStep") -> SampledTokens:
+        """The sampled tokens to the host (waits for them), into each request's sampling state, as a message."""
+        if step.tokens is None:
+            return SampledTokens(step=step.step, token_ids=b"")
+        token_list = step.tokens.tolist()
+        for state, token in zip(step.states, token_list):
+            state.on_sampled(token)
+        return SampledTokens(step=step.step, token_ids=np.asarray(token_list, dtype=np.int32).tobytes(),
+                             logprobs=self._logprobs(step.logprobs, step.tokens, step.states))
 
     @staticmethod
     def _logprobs(logprobs, tokens, states) -> list[TokenLogprobs | None]:

@@ -1,7 +1,7 @@
 """Speed of the Triton kernels against the machine's own ceilings and against torch.
 
-    python bench/kernels.py --out bench/results/kernels-h100.md          # defaults only
-    python bench/kernels.py --sweep --out ...                            # also try other block configs
+    python -m bench.kernel_bench --out bench/results/kernels-h100.md          # defaults only
+    python -m bench.kernel_bench --sweep --out ...                            # also try other block configs
 
 Each kernel is timed with triton.testing.do_bench (CUDA events, L2 flushed between runs, median).
 Bytes are the fewest the kernel must move (each input read once, each output written once; for
@@ -11,21 +11,16 @@ the measured device-to-device copy bandwidth (bytes read + written) and bf16 mat
 """
 
 import argparse
-import os
-import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Run as a script, bench/ comes first on sys.path and bench/kernels.py would shadow the kernels package.
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(os.path.abspath(__file__))]
-sys.path.insert(0, ROOT)
+import torch
+import triton
+from triton.testing import do_bench
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
+from kernels import reference, triton_attention, triton_elementwise
 
-from bench.check_kernels_gpu import make_paged_batch  # noqa: E402
-from kernels import reference, triton_attention, triton_elementwise  # noqa: E402
+from bench.check_kernels_gpu import make_paged_batch
+from bench.run_record import command_line
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.bfloat16
@@ -269,7 +264,7 @@ def main():
 
     header = (f"# Kernel speed: {torch.cuda.get_device_name()}\n\n"
               f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"`python bench/kernels.py{' --sweep' if args.sweep else ''}{' --sweep-decode' if args.sweep_decode else ''}`, {time.time() - started:.0f} s. "
+              f"`{command_line()}`, {time.time() - started:.0f} s. "
               f"Shapes: {HQ} query / {HKV} KV heads, head_dim {D}, bf16. "
               f"Extend vs SDPA flash (8 x 4096 causal): {theirs[2] / ours[2]:.2f}x.")
     if args.out:

@@ -1,18 +1,17 @@
-"""KV memory: slot allocators (scheduler side) and the tensors they index (worker side).
+"""The scheduler's bookkeeping of KV memory: which KV slots and which req_to_token rows are free.
 
 The KV cache is token-granular (page size 1): every token of every request lives in one "slot", a
 row of the per-layer K/V buffers. A request's slots need not be contiguous; `req_to_token[row, i]`
 says where its i-th token lives. Slot 0 and req_to_token row 0 are never handed out: padded batch
 entries point at them, so a padded lane reads and writes harmless memory instead of someone's KV.
 
-The scheduler owns the allocators (pure numpy bookkeeping, called every step, so no per-slot Python
-loops); the worker owns the torch tensors and fills them from what each ForwardBatch tells it.
+These allocators are pure numpy (called every step, so no per-slot Python loops) and live in the
+scheduler process; the tensors they index live in the worker (radixserve/worker/kv_cache.py).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 # Row/slot 0 is the shared dummy target of padding; real indices start at 1.
 PADDING_SLOT = 0
@@ -136,69 +135,3 @@ class ReqPoolAllocator:
 
     def __repr__(self) -> str:
         return f"ReqPoolAllocator(free={self.num_free}/{self.num_total})"
-
-
-class ReqToTokenPool:
-    """int32 table [max_running + 1, context_len]: row r, column i = slot of token i of the request
-    holding row r. Zero-initialised, so unwritten entries point at the padding slot."""
-
-    def __init__(self, max_running: int, context_len: int, device: torch.device | str = "cpu"):
-        self.max_running = max_running
-        self.context_len = context_len
-        self.table = torch.zeros((max_running + 1, context_len), dtype=torch.int32, device=device)
-
-    def write(self, row: int, start: int, slots) -> None:
-        """table[row, start : start + len(slots)] = slots (numpy array, list or tensor)."""
-        slots = torch.as_tensor(slots, dtype=torch.int32)
-        end = start + slots.numel()
-        if not 0 <= row <= self.max_running:
-            raise ValueError(f"req_to_token row {row} out of range 0..{self.max_running}")
-        if start < 0 or end > self.context_len:
-            raise ValueError(f"req_to_token write [{start}, {end}) exceeds context length {self.context_len}")
-        self.table[row, start:end] = slots.to(self.table.device, non_blocking=True)
-
-
-class KVCache:
-    """Per-layer K and V buffers, each [num_slots + 1, num_kv_heads, head_dim] (row 0 = padding).
-
-    num_kv_heads is the count on this tensor-parallel rank. Zero-initialised so the padding slot holds
-    finite values: masked attention over garbage could still turn NaN * 0 into NaN.
-    """
-
-    def __init__(
-        self,
-        num_layers: int,
-        num_slots: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device | str = "cpu",
-    ):
-        self.num_layers = num_layers
-        self.num_slots = num_slots
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.dtype = dtype
-        shape = (num_slots + 1, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-
-    def k_cache(self, layer: int) -> torch.Tensor:
-        return self.k_buffers[layer]
-
-    def v_cache(self, layer: int) -> torch.Tensor:
-        return self.v_buffers[layer]
-
-    @staticmethod
-    def bytes_per_slot(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        """KV bytes one token costs on one rank: K and V, every layer."""
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * num_layers * num_kv_heads * head_dim * element_size
-
-    @staticmethod
-    def num_slots_for_budget(
-        budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-    ) -> int:
-        """How many usable slots fit in budget_bytes, counting the padding row."""
-        per_slot = KVCache.bytes_per_slot(num_layers, num_kv_heads, head_dim, dtype)
-        return max(0, budget_bytes // per_slot - 1)

@@ -1,4 +1,4 @@
-"""Incremental detokenization with stop strings, one instance per generated sequence.
+"""Incremental detokenization with stop-string trimming, one instance per generated sequence.
 
 The scheduler sends token ids; clients want text, a piece at a time. Two things make this harder than
 `decode(new_ids)`:
@@ -10,13 +10,16 @@ The scheduler sends token ids; clients want text, a piece at a time. Two things 
   tokens (not yet emitted). Text is emitted only when the window's decode does not end in U+FFFD,
   i.e. when the pending tokens end on a character boundary; the window then slides forward.
   This is the prefix/read-offset scheme of vLLM and SGLang; every step decodes O(window) tokens.
-* Stop strings are matched on text, so one can span several tokens or start inside a token. Text that
-  could still become the start of a stop string is held back until it is known not to be, so a
-  streaming client never sees part of a stop string that ends up being cut.
+* Stop strings end a sequence where the scheduler says (it decides every finish and sends the stop string that
+  matched with the last token, scheduler_service/stop_strings.py); the text shown must not contain it. A stop
+  string can span several tokens or start inside a token, so text that could still become the start of one is
+  held back until it is known not to be: a streaming client never sees part of a stop string that is then cut.
+  When the sequence finishes on a stop string, finish(stop) cuts the text where that string begins (or ends,
+  with include_stop_str_in_output). A complete stop string the scheduler did not stop at (it ignores them below
+  min_new_tokens) is ordinary text.
 
-Semantics are those of feeding the final text one character at a time: generation stops at the first
-character that completes any stop string (ties: the one starting earliest). The concatenation of all
-`text` deltas (including `flush()`) equals `tokenizer.decode(output_ids)` cut at that stop string, for
+With the scheduler stopping at the first character that completes any stop string, the concatenation of all
+`text` deltas (including `finish()`) equals `tokenizer.decode(output_ids)` cut at that stop string, for
 byte-level BPE and byte-fallback tokenizers (decode = UTF-8 with replacement, a prefix-consistent function).
 Decoding uses `clean_up_tokenization_spaces=False`: the clean-up rewrites " ." depending on what follows,
 which can never be streamed consistently.
@@ -43,12 +46,12 @@ MAX_INCOMPLETE_CHAR_TOKENS = 3
 @dataclass(frozen=True, slots=True)
 class DetokenizerDelta:
     text: str  # new text the client may see now ("" when everything is held back)
-    stopped: bool  # a stop string was found: the sequence is finished, further tokens are ignored
+    stopped: bool  # the sequence finished on a stop string; further tokens are ignored
     matched_stop: str | None  # the stop string that ended the sequence
 
 
 class IncrementalDetokenizer:
-    """Turns a growing list of token ids into text deltas, honouring stop strings.
+    """Turns a growing list of token ids into text deltas, hiding stop strings.
 
     `tokenizer` is anything with a HF-style `decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=...)`.
     `prompt_ids` supplies left context only; it is never part of the output.
@@ -62,10 +65,10 @@ class IncrementalDetokenizer:
         stop_strings: Iterable[str] = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         # Empty stop strings would match everywhere; duplicates only cost time.
-        self._stop_strings: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop_strings if s))
+        self.stop_strings: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop_strings if s))
         self._include_stop = include_stop_str_in_output
 
         # Token window: window[:read] was emitted (context), window[read:] is pending.
@@ -110,25 +113,43 @@ class IncrementalDetokenizer:
         if self._stopped or self._flushed:
             return self._delta("")
         self._window.extend(_as_int_list(new_ids))
-        return self._emit(self._next_stable_text(), final=False)
+        buffer = self._held + self._next_stable_text()
+        hold = self._partial_stop_suffix_len(buffer)
+        self._held = buffer[len(buffer) - hold :]
+        return self._delta(buffer[: len(buffer) - hold])
 
-    def flush(self) -> DetokenizerDelta:
-        """End of generation for a reason other than a stop string: release everything held back,
-        including an incomplete trailing character (as U+FFFD, exactly as a full decode shows it)."""
+    def finish(self, matched_stop: str | None = None, last_ids: Sequence[int] = ()) -> DetokenizerDelta:
+        """End of generation, with the sequence's last token ids if they came with the finish: release everything
+        held back, including an incomplete trailing character (as U+FFFD, exactly as a full decode shows it).
+        With `matched_stop`, the stop string the scheduler stopped at, the text is cut where it begins (kept up to
+        its end with include_stop_str_in_output); the last ids come here rather than through add_tokens, which
+        would show a complete stop string as text."""
         if self._stopped or self._flushed:
             return self._delta("")
         self._flushed = True
-        text = self._decode(self._window)[len(self._prefix()) :]
+        self._window.extend(_as_int_list(last_ids))
+        shown_held = len(self._held)
+        text = self._held + self._decode(self._window)[len(self._prefix()) :]
+        self._held = ""
         self._window = []
         self._read = 0
         self._prefix_text = ""
-        return self._emit(text, final=True)
+        if matched_stop:
+            self._stopped, self._matched_stop = True, matched_stop
+            start = self._stop_start(text, shown_held, matched_stop)
+            if start is not None:
+                text = text[: start + len(matched_stop)] if self._include_stop else text[:start]
+        return self._delta(text)
+
+    def flush(self) -> DetokenizerDelta:
+        """End of generation for a reason other than a stop string (length, a stop token)."""
+        return self.finish(None)
 
     # ------------------------------------------------------------------------------ UTF-8 stage
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(
-            ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
         )
 
     def _prefix(self) -> str:
@@ -173,47 +194,21 @@ class IncrementalDetokenizer:
 
     # ------------------------------------------------------------------------- stop-string stage
 
-    def _emit(self, new_text: str, final: bool) -> DetokenizerDelta:
-        if not self._stop_strings:
-            return self._delta(new_text)
-
-        # Invariant: `held` contains no complete stop string, and no stop string can start in text
-        # already emitted (such a start would have been a suffix we held back). So searching
-        # `held + new_text` is enough, and its length stays O(longest stop string + new text).
-        buffer = self._held + new_text
-        match = self._first_stop_match(buffer, search_from=max(0, len(self._held) - self._max_stop_len() + 1))
-        if match is not None:
-            start, stop = match
-            end = start + len(stop) if self._include_stop else start
-            self._held = ""
-            self._stopped = True
-            self._matched_stop = stop
-            return self._delta(buffer[:end])
-
-        hold = 0 if final else self._partial_stop_suffix_len(buffer)
-        self._held = buffer[len(buffer) - hold :] if hold else ""
-        return self._delta(buffer[: len(buffer) - hold])
-
-    def _max_stop_len(self) -> int:
-        return max(len(s) for s in self._stop_strings)
-
-    def _first_stop_match(self, buffer: str, search_from: int) -> tuple[int, str] | None:
-        """The stop occurrence that a character-by-character reader would complete first:
-        smallest end index, then smallest start index."""
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for stop in self._stop_strings:
-            start = buffer.find(stop, search_from)
-            if start < 0:
-                continue
-            candidate = (start + len(stop), start, stop)
-            if best is None or candidate[:2] < best[:2]:
-                best = candidate
-        return None if best is None else (best[1], best[2])
+    @staticmethod
+    def _stop_start(text: str, held: int, stop: str) -> int | None:
+        """Where the stop string the scheduler matched begins in `text` (held-back text, then the rest). It was
+        completed by the last tokens, so it ends past the held part; it cannot begin in text already shown, as
+        every possible start of a stop string is held back. None if the text does not contain it (a tokenizer
+        whose decode of the scheduler's window differs from ours): then nothing is cut."""
+        start = text.find(stop, max(0, held - len(stop) + 1))
+        if start < 0:
+            start = text.find(stop)
+        return start if start >= 0 else None
 
     def _partial_stop_suffix_len(self, buffer: str) -> int:
         """Length of the longest suffix of `buffer` that is a proper prefix of some stop string."""
         longest = 0
-        for stop in self._stop_strings:
+        for stop in self.stop_strings:
             for length in range(min(len(stop) - 1, len(buffer)), longest, -1):
                 if buffer.endswith(stop[:length]):
                     longest = length

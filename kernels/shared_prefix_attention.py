@@ -1,0 +1,306 @@
+"""Decode attention that reads each shared prefix once per step (cascade attention), in Triton.
+
+When many decoding requests share a system prompt, the plain decode kernel reads that prompt's K/V
+once per request. Here the batch is described as G groups: a group is >= 1 requests whose first
+P_g context positions are the same KV slots (the radix cache hands every such request the same
+slots). Its prefix is attended by all members together and the rest of each request alone:
+
+1. prefix kernel. One program = one group x one KV head x BLOCK_M query rows x one slice of the
+   prefix. The rows are the group's members times the query heads of that KV head (GQA), so a tile
+   is a small prefill-shaped problem (tiled like the extend kernel) and each prefix K/V row is read
+   once per group instead of once per member. The prefix is split along its length when groups
+   are few, so that the SMs fill up. Each slice writes a softmax-normalised partial output and its
+   log-sum-exp per query row.
+2. suffix kernel. The split-KV decode kernel over each request's own positions only,
+   [suffix_start, seq_len): suffix_start is P_g for a member, 0 for an ungrouped request (which
+   then gets exactly the plain decode computation).
+3. merge by log-sum-exp, fused when it can be. In a large batch the suffix takes one split per
+   (request, KV head) and the prefix kernel runs first: the suffix program then folds the group's
+   prefix slices into its own running softmax and writes o, so neither a merge launch nor the
+   suffix partials touch memory. Otherwise (few requests, long own contexts) both kernels write
+   partials into one scratch buffer, suffix splits first, and the decode kernel's log-sum-exp
+   reduction merges all of them in one pass.
+
+Inputs beside the plain decode kernel's (all int32, on the device):
+  group_prefix_lens [G]     P_g, the length of group g's shared prefix
+  group_prefix_rows [G]     the req_to_token row its prefix slots are read from (any member's row)
+  group_member_start [G+1]  members of group g are group_members[group_member_start[g]:...[g+1]]
+  group_members [M]         batch indices; members need not be contiguous in the batch
+  req_group [B]             the group of each request, -1 for none (consistent with group_members)
+  req_suffix_start [B]      P_g of its group, or 0; must be < seq_len (the new token is its own)
+Host ints size the grids without a device sync: max_seq_len bounds every suffix, max_prefix_len
+every P_g, max_group_size every group. Under CUDA graphs pass fixed bounds and pad the group table
+with empty groups (equal member_start entries): their programs exit at once.
+
+Precision and block policy follow triton_attention (fp32 accumulation, IEEE dots for fp32).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import triton_attention
+from kernels.triton_attention import _LOG2E, _dot_precision, _online_softmax_block
+
+
+@triton.jit
+def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Suffix_start,
+                         Mid_o, Mid_lse, O, Req_group, Group_prefix_lens, qk_scale,
+                         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
+                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
+                         PREFIX_SPLITS: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr):
+    # triton_attention's decode split kernel, shifted to start at the request's own tokens.
+    # FUSED_MERGE (one split only): the prefix kernel has already run, and this program folds the
+    # group's prefix slices into its own running softmax and writes o itself: no merge launch, and
+    # the suffix part never goes through memory.
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    first = tl.load(Suffix_start + req)
+    own_len = tl.load(Seq_lens + req) - first
+    split_len = tl.cdiv(tl.cdiv(own_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = first + split * split_len
+    end = tl.minimum(start + split_len, first + own_len)
+    if not FUSED_MERGE:
+        if start >= end:
+            return  # the merge recomputes these bounds and skips this split
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(Q + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(K_cache + slots[:, None] * stride_kn + kv_head * stride_kh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V_cache + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
+                                              True, DOT_PRECISION)
+
+    if FUSED_MERGE:
+        group = tl.load(Req_group + req)
+        prefix_len = tl.load(Group_prefix_lens + tl.maximum(group, 0))
+        prefix_len = tl.where(group >= 0, prefix_len, 0)
+        slice_len = tl.cdiv(tl.cdiv(prefix_len, PREFIX_SPLITS), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
+        # The prefix kernel skipped the slices that start past the prefix; so does this loop.
+        live_slices = tl.where(prefix_len > 0, tl.cdiv(prefix_len, tl.maximum(slice_len, 1)), 0)
+        for s in range(0, live_slices):
+            # A slice's normalised output and lse are a running state (m, l, acc) = (lse, 1, out).
+            lse = tl.load(Mid_lse + req * stride_mlb + heads * stride_mlh + s, mask=head_ok, other=float("-inf"))
+            part = tl.load(Mid_o + req * stride_mob + heads[:, None] * stride_moh + s * stride_mos + dims[None, :],
+                           mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+            m_new = tl.maximum(m_i, lse)
+            alpha = tl.exp2(m_i - m_new)
+            beta = tl.exp2(lse - m_new)
+            acc = acc * alpha[:, None] + part * beta[:, None]
+            l_i = l_i * alpha + beta
+            m_i = m_new
+        out = (acc / l_i[:, None]).to(O.dtype.element_ty)
+        tl.store(O + req * stride_ob + heads[:, None] * stride_oh + dims[None, :], out,
+                 mask=head_ok[:, None] & dim_ok[None, :])
+    else:
+        out_ptr = Mid_o + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + dims[None, :]
+        tl.store(out_ptr, acc / l_i[:, None], mask=head_ok[:, None] & dim_ok[None, :])
+        tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
+
+
+@triton.jit
+def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_prefix_rows, Group_member_start,
+                   Group_members, Mid_o, Mid_lse, qk_scale,
+                   stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
+                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   FIRST_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    # Row blocks of one (group, KV head, slice) are adjacent in launch order: they read the same
+    # K/V, so the second one finds it in L2 when a big group needs several row blocks.
+    m_block = tl.program_id(0)
+    group = tl.program_id(1) // NUM_KV_HEADS
+    kv_head = tl.program_id(1) % NUM_KV_HEADS
+    split = tl.program_id(2)
+
+    member0 = tl.load(Group_member_start + group)
+    num_members = tl.load(Group_member_start + group + 1) - member0
+    first_row = m_block * BLOCK_M
+    if first_row >= num_members * GROUP:
+        return  # the grid is sized for the largest group (and for padding groups with no members)
+    prefix_len = tl.load(Group_prefix_lens + group)
+    split_len = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, prefix_len)
+    if start >= end:
+        return
+
+    # Row r of the tile is query head (r % GROUP) of this KV head, for member (r // GROUP).
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < num_members * GROUP
+    reqs = tl.load(Group_members + member0 + rows // GROUP, mask=row_ok, other=0).to(tl.int64)
+    heads = kv_head * GROUP + rows % GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(Q + reqs[:, None] * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    table = Req_to_token + tl.load(Group_prefix_rows + group).to(tl.int64) * stride_rt
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(K_cache + slots[:, None] * stride_kn + kv_head * stride_kh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        v = tl.load(V_cache + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
+                                              True, DOT_PRECISION)
+
+    slot = FIRST_SPLIT + split
+    out_ptr = Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + slot * stride_mos + dims[None, :]
+    tl.store(out_ptr, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(Mid_lse + reqs * stride_mlb + heads * stride_mlh + slot, m_i + tl.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_prefix_lens,
+                  stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
+                  HEAD_DIM: tl.constexpr, SUFFIX_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
+                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                  SUFFIX_BLOCK_N: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr):
+    # One log-sum-exp reduction over the suffix splits and the group's prefix slices together.
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    own_len = tl.load(Seq_lens + req) - tl.load(Suffix_start + req)
+    group = tl.load(Req_group + req)
+    prefix_len = tl.load(Group_prefix_lens + tl.maximum(group, 0))
+    prefix_len = tl.where(group >= 0, prefix_len, 0)
+
+    splits = tl.arange(0, BLOCK_S)
+    suffix_split_len = tl.cdiv(tl.cdiv(own_len, SUFFIX_SPLITS), SUFFIX_BLOCK_N) * SUFFIX_BLOCK_N
+    prefix_split_len = tl.cdiv(tl.cdiv(prefix_len, PREFIX_SPLITS), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
+    is_suffix = splits < SUFFIX_SPLITS
+    live = tl.where(is_suffix, splits * suffix_split_len < own_len,
+                    (splits < SUFFIX_SPLITS + PREFIX_SPLITS)
+                    & ((splits - SUFFIX_SPLITS) * prefix_split_len < prefix_len))
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    # Dead splits were never written (this step or any other): masked loads keep them out of the sum.
+    lse = tl.load(Mid_lse + req * stride_mlb + head * stride_mlh + splits, mask=live, other=float("-inf"))
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(Mid_o + req * stride_mob + head * stride_moh + splits[:, None] * stride_mos + dims[None, :],
+                   mask=live[:, None] & dim_ok[None, :], other=0.0)
+    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
+    tl.store(O + req * stride_ob + head * stride_oh + dims, out.to(O.dtype.element_ty), mask=dim_ok)
+
+
+# The prefix tile is a prefill tile with few rows; BLOCK_M shrinks to the rows a group has (members x
+# GQA heads) so that small groups waste no MMA rows. 16-bit values and the 512-token slices below come
+# from the sweep of bench/shared_prefix_kernel_bench.py --tune on an H100
+# (bench/results/shared-prefix-kernel-h100.md): fewer, longer slices halve the partials written and read.
+PREFIX_CONFIG = {
+    "16bit": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
+    "fp32": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
+    "interpret": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
+}
+# Prefix slices: enough programs for a few per SM, never slices shorter than min_split_tokens.
+PREFIX_SPLITS = {"programs_per_sm": 4, "min_split_tokens": 512, "max_splits": 64}
+
+
+def prefix_config(dtype, device, rows):
+    if device.type != "cuda":
+        cfg = dict(PREFIX_CONFIG["interpret"])
+    else:
+        cfg = dict(PREFIX_CONFIG["fp32" if dtype == torch.float32 else "16bit"])
+    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], triton.next_power_of_2(max(1, rows))))
+    return cfg
+
+
+def prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device):
+    cfg = PREFIX_SPLITS
+    target = cfg["programs_per_sm"] * triton_attention._sm_count(device)
+    splits = triton.cdiv(target, max(1, num_groups * num_kv_heads * m_blocks))
+    splits = min(splits, triton.cdiv(max(1, max_prefix_len), cfg["min_split_tokens"]), cfg["max_splits"])
+    return max(1, splits)
+
+
+def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
+                             group_prefix_lens, group_prefix_rows, group_member_start, group_members,
+                             req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len, max_group_size,
+                             num_suffix_splits=None, num_prefix_splits=None, fuse_merge=None, config=None):
+    """fuse_merge (default: whenever the suffix takes one split) merges inside the suffix kernel."""
+    bsz, hq, d = q.shape
+    hkv = k_cache.shape[1]
+    num_groups = group_prefix_lens.shape[0]
+    if bsz == 0:
+        return
+    if num_groups == 0:  # nothing shared: today's kernel, at today's cost
+        triton_attention.decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
+                                          sm_scale, max_seq_len)
+        return
+    triton_attention._assert_last_dim_contiguous(q, k_cache, v_cache, o)
+    assert req_to_token.stride(1) == 1
+    group = hq // hkv
+    block_d = triton.next_power_of_2(d)
+    precision = _dot_precision(q.dtype)
+    suffix_cfg = triton_attention.decode_config(q.dtype, q.device)
+    pcfg = dict(prefix_config(q.dtype, q.device, max_group_size * group), **(config or {}))
+    m_blocks = triton.cdiv(max(1, max_group_size * group), pcfg["BLOCK_M"])
+    s_splits = num_suffix_splits or triton_attention.decode_num_splits(bsz, hkv, max_seq_len, q.device)
+    p_splits = num_prefix_splits or prefix_num_splits(num_groups, hkv, m_blocks, max_prefix_len, q.device)
+    fused = s_splits == 1 if fuse_merge is None else fuse_merge
+    assert not fused or s_splits == 1, "the merge fuses into the suffix kernel only when it takes one split"
+    first_prefix_split = 0 if fused else s_splits
+    total = first_prefix_split + p_splits
+
+    mid_o = torch.empty((bsz, hq, total, d), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((bsz, hq, total), dtype=torch.float32, device=q.device)
+    mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
+    qk_scale = sm_scale * _LOG2E
+
+    # The prefix goes first: a fused suffix kernel reads its slices.
+    _prefix_kernel[(m_blocks, num_groups * hkv, p_splits)](
+        q, k_cache, v_cache, req_to_token, group_prefix_lens, group_prefix_rows, group_member_start,
+        group_members, mid_o, mid_lse, qk_scale,
+        q.stride(0), q.stride(1), *cache_strides, req_to_token.stride(0), *mid_strides,
+        NUM_KV_HEADS=hkv, GROUP=group, HEAD_DIM=d, FIRST_SPLIT=first_prefix_split, NUM_SPLITS=p_splits,
+        BLOCK_M=pcfg["BLOCK_M"], BLOCK_D=block_d, BLOCK_N=pcfg["BLOCK_N"], DOT_PRECISION=precision,
+        num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"],
+    )
+    _suffix_split_kernel[(bsz, hkv, s_splits)](
+        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, req_suffix_start, mid_o, mid_lse,
+        o, req_group, group_prefix_lens, qk_scale,
+        q.stride(0), q.stride(1), *cache_strides, req_to_token.stride(0), *mid_strides, o.stride(0), o.stride(1),
+        GROUP=group, HEAD_DIM=d, NUM_SPLITS=s_splits,
+        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=suffix_cfg["BLOCK_N"],
+        DOT_PRECISION=precision, FUSED_MERGE=fused, PREFIX_SPLITS=p_splits, PREFIX_BLOCK_N=pcfg["BLOCK_N"],
+        num_warps=suffix_cfg["num_warps"], num_stages=suffix_cfg["num_stages"],
+    )
+    if fused:
+        return
+    _merge_kernel[(bsz, hq)](
+        mid_o, mid_lse, o, seq_lens, req_suffix_start, req_group, group_prefix_lens,
+        *mid_strides, o.stride(0), o.stride(1),
+        HEAD_DIM=d, SUFFIX_SPLITS=s_splits, PREFIX_SPLITS=p_splits, BLOCK_S=triton.next_power_of_2(total),
+        BLOCK_D=block_d, SUFFIX_BLOCK_N=suffix_cfg["BLOCK_N"], PREFIX_BLOCK_N=pcfg["BLOCK_N"],
+        num_warps=1 if block_d <= 64 else 2,
+    )

@@ -1,0 +1,338 @@
+"""What the radixserve client returns and raises: typed results of the OpenAI and native routes, streaming chunks
+and iterators, and errors that carry the server's message. The clients themselves are in radixserve/client.py,
+which re-exports everything public here."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+import httpx
+
+# ------------------------------------------------------------------------------------------------- errors
+
+
+class RadixServeError(Exception):
+    """An error answer of the server (status_code set) or a failure to reach it (status_code None)."""
+
+    def __init__(self, status_code: int | None, message: str, type: str | None = None, param: str | None = None,
+                 code: Any = None, body: Any = None):
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.body = body  # the parsed JSON (or text) of the error response
+
+    def __str__(self) -> str:
+        where = f"HTTP {self.status_code}" if self.status_code is not None else (self.type or "error")
+        extra = f" (param: {self.param})" if self.param else ""
+        return f"{where}: {self.message}{extra}"
+
+
+class RadixServeConnectionError(RadixServeError):
+    """Could not connect to the server, or the connection broke before the response was complete."""
+
+    def __init__(self, message: str):
+        super().__init__(None, message, type="connection_error")
+
+
+class RadixServeTimeoutError(RadixServeError):
+    """The server did not answer (or send the next part of a response) within the timeout."""
+
+    def __init__(self, message: str):
+        super().__init__(None, message, type="timeout")
+
+
+def _error_from_body(status_code: int | None, body: Any) -> RadixServeError:
+    """The OpenAI error shape {"error": {"message", "type", "param", "code"}}, FastAPI's {"detail": ...}, or
+    anything else (shown as it came)."""
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        err = body["error"]
+        code = err.get("code")
+        if status_code is None and isinstance(code, int):
+            status_code = code
+        return RadixServeError(status_code, str(err.get("message") or err), err.get("type"), err.get("param"),
+                               code, body)
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        return RadixServeError(status_code, body["error"], body.get("type"), body.get("param"), body.get("code"),
+                               body)
+    if isinstance(body, dict) and "detail" in body:
+        detail = body["detail"]
+        return RadixServeError(status_code, detail if isinstance(detail, str) else json.dumps(detail), body=body)
+    text = body if isinstance(body, str) else json.dumps(body)
+    return RadixServeError(status_code, text or f"HTTP {status_code}", body=body)
+
+
+def error_from_response(response: httpx.Response) -> RadixServeError:
+    try:
+        body: Any = response.json()
+    except ValueError:
+        body = response.text
+    return _error_from_body(response.status_code, body)
+
+
+def transport_error(exc: httpx.TransportError, url: str) -> RadixServeError:
+    if isinstance(exc, httpx.TimeoutException):
+        return RadixServeTimeoutError(f"timed out waiting for {url} ({type(exc).__name__}: {exc})")
+    if isinstance(exc, httpx.ConnectError):
+        return RadixServeConnectionError(f"could not connect to {url}: {exc} (is the server running?)")
+    return RadixServeConnectionError(f"connection to {url} failed: {type(exc).__name__}: {exc}")
+
+
+# ------------------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the radix cache
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    @classmethod
+    def from_openai(cls, usage: dict | None) -> "Usage | None":
+        if not usage:
+            return None
+        details = usage.get("prompt_tokens_details") or {}
+        return cls(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
+                   details.get("cached_tokens", 0) or 0)
+
+
+@dataclass
+class Choice:
+    index: int
+    text: str
+    finish_reason: str | None  # "stop" | "length"
+    logprobs: Any = None
+    stop_reason: int | str | None = None  # the stop string or token id that matched, when the server says
+
+
+@dataclass
+class CompletionResult:
+    """A /v1/completions answer; `text` and `finish_reason` are the first choice's."""
+    text: str
+    finish_reason: str | None
+    usage: Usage
+    choices: list[Choice]
+    model: str | None = None
+    id: str | None = None
+    raw: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class ChatResult(CompletionResult):
+    """A /v1/chat/completions answer; `text` and `finish_reason` are the first choice's."""
+
+
+@dataclass
+class GenerateResult:
+    """A native /generate answer. finish_reason is "stop" or "length"; matched_stop the stop token id or string."""
+    text: str
+    output_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    matched_stop: int | str | None = None
+    index: int = 0
+    meta_info: dict = field(default_factory=dict, repr=False)
+    raw: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+
+@dataclass
+class StreamChunk:
+    """One piece of a streamed answer: `text` is new text only. For /v1/* streams with several choices, `index`
+    says which; the usage chunk has text "" and `usage` set. For /generate, `output_ids` are the new token ids
+    and the finished chunk carries `usage` (prompt, completion and cached tokens) and `matched_stop`."""
+    text: str
+    index: int = 0
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    output_ids: list[int] = field(default_factory=list)
+    role: str | None = None
+    logprobs: Any = None
+    matched_stop: int | str | None = None
+    raw: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class Model:
+    id: str
+    owned_by: str | None = None
+    max_model_len: int | None = None
+    raw: dict = field(default_factory=dict, repr=False)
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+
+def _parse_choices(body: dict, chat: bool) -> list[Choice]:
+    choices = []
+    for c in body.get("choices") or []:
+        text = ((c.get("message") or {}).get("content") if chat else c.get("text")) or ""
+        choices.append(Choice(c.get("index", 0), text, c.get("finish_reason"), c.get("logprobs"),
+                              c.get("stop_reason")))
+    return sorted(choices, key=lambda c: c.index)
+
+
+def parse_openai(body: dict, chat: bool):
+    choices = _parse_choices(body, chat)
+    first = choices[0] if choices else Choice(0, "", None)
+    cls = ChatResult if chat else CompletionResult
+    return cls(first.text, first.finish_reason, Usage.from_openai(body.get("usage")) or Usage(), choices,
+               body.get("model"), body.get("id"), body)
+
+
+def _native_finish(meta: dict) -> tuple[str | None, int | str | None]:
+    """SGLang's finish_reason {"type": "stop", "matched": x} / {"type": "length", ...}, or a plain string."""
+    reason = meta.get("finish_reason")
+    if isinstance(reason, dict):
+        return reason.get("type"), reason.get("matched")
+    return reason, None
+
+
+def _parse_generate(body: dict) -> GenerateResult:
+    meta = body.get("meta_info") or {}
+    reason, matched = _native_finish(meta)
+    output_ids = list(body.get("output_ids") or [])
+    return GenerateResult(body.get("text", ""), output_ids, reason, meta.get("prompt_tokens", 0),
+                          meta.get("completion_tokens", len(output_ids)), meta.get("cached_tokens", 0) or 0,
+                          matched, body.get("index", 0), meta, body)
+
+
+def parse_generate_body(body: Any) -> GenerateResult | list[GenerateResult]:
+    if isinstance(body, list):  # a batch: a list of texts or of token-id lists
+        return [_parse_generate(b) for b in body]
+    return _parse_generate(body)
+
+
+class OpenAIChunks:
+    """Turns the data objects of a /v1/* SSE stream into StreamChunks."""
+
+    def __init__(self, chat: bool):
+        self.chat = chat
+
+    def __call__(self, data: dict) -> list[StreamChunk]:
+        out = []
+        for c in data.get("choices") or []:
+            if self.chat:
+                delta = c.get("delta") or {}
+                text, role = delta.get("content") or "", delta.get("role")
+            else:
+                text, role = c.get("text") or "", None
+            out.append(StreamChunk(text, c.get("index", 0), c.get("finish_reason"), None, role=role,
+                                   logprobs=c.get("logprobs"), matched_stop=c.get("stop_reason"), raw=data))
+        usage = Usage.from_openai(data.get("usage"))
+        if usage is not None:
+            if out:
+                out[-1].usage = usage
+            else:
+                out.append(StreamChunk("", usage=usage, raw=data))
+        return out
+
+
+class NativeChunks:
+    """Turns the data objects of a /generate SSE stream into StreamChunks with delta text and ids.
+
+    Each data object has the shape of a /generate result carrying the text and output_ids of its choice so far
+    (cumulative, as radixserve and SGLang send them); the new part is what follows the previous chunk of the same
+    index. A chunk that does not extend the previous one (a server sending deltas) is taken as a delta."""
+
+    def __init__(self):
+        self._text: dict[int, str] = {}
+        self._ids: dict[int, list[int]] = {}
+
+    def __call__(self, data: dict) -> list[StreamChunk]:
+        index = data.get("index", 0)
+        meta = data.get("meta_info") or {}
+        text, ids = data.get("text") or "", list(data.get("output_ids") or [])
+        seen_text, seen_ids = self._text.get(index, ""), self._ids.get(index, [])
+        if text.startswith(seen_text) and ids[:len(seen_ids)] == seen_ids:
+            new_text, new_ids = text[len(seen_text):], ids[len(seen_ids):]
+        else:
+            new_text, new_ids = text, ids
+        self._text[index], self._ids[index] = seen_text + new_text, seen_ids + new_ids
+        reason, matched = _native_finish(meta)
+        usage = None
+        if reason is not None:
+            usage = Usage(meta.get("prompt_tokens", 0), len(self._ids[index]), meta.get("cached_tokens", 0) or 0)
+        return [StreamChunk(new_text, index, reason, usage, new_ids, matched_stop=matched, raw=data)]
+
+
+def sse_data(line: str) -> str | None:
+    """The payload of a `data:` line; None for blank lines, comments and other fields."""
+    if not line.startswith("data:"):
+        return None
+    return line[5:].strip()
+
+
+def decode_event(payload: str, status_code: int) -> dict | None:
+    """The JSON object of one SSE event; None at [DONE]; raises for an error event."""
+    if payload == "[DONE]":
+        return None
+    try:
+        data = json.loads(payload)
+    except ValueError as e:
+        raise RadixServeError(status_code, f"the server sent a malformed stream event: {payload[:200]!r}",
+                              type="stream_error") from e
+    if isinstance(data, dict) and "error" in data and not data.get("choices") and "text" not in data:
+        raise _error_from_body(None, data)
+    return data
+
+
+# ------------------------------------------------------------------------------------------------ streams
+
+
+class Stream:
+    """An iterator of StreamChunks over an open HTTP response; closes it when exhausted, on `close()`, when the
+    `with` block ends or when garbage-collected."""
+
+    def __init__(self, chunks: Iterator[StreamChunk]):
+        self._chunks = chunks
+
+    def __iter__(self) -> "Stream":
+        return self
+
+    def __next__(self) -> StreamChunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._chunks.close()  # type: ignore[attr-defined]  # a generator: runs its finally (closes the response)
+
+    def __enter__(self) -> "Stream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncStream:
+    """The async twin of Stream: `async for chunk in stream`, `await stream.aclose()`, `async with`."""
+
+    def __init__(self, chunks: AsyncIterator[StreamChunk]):
+        self._chunks = chunks
+
+    def __aiter__(self) -> "AsyncStream":
+        return self
+
+    async def __anext__(self) -> StreamChunk:
+        return await self._chunks.__anext__()
+
+    async def aclose(self) -> None:
+        await self._chunks.aclose()  # type: ignore[attr-defined]
+
+    async def __aenter__(self) -> "AsyncStream":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()

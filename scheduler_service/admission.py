@@ -1,0 +1,101 @@
+"""Admission: which prefill chunks run this step. Requests already prefilling (chunked) continue first; then waiting
+requests start, in the policy's order (policy.py), while their first chunk plus a reserve for their outputs fits
+in free + evictable KV slots. Part of Scheduler (scheduler.py), which holds the state used here."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from radixserve.protocol import ReusedSlots
+from scheduler_service.policy import order_waiting_queue
+from scheduler_service.request import Req, ReqStatus
+
+# A waiting request is deferred while a prompt being computed shares at least this many tokens with it (and more
+# than the tree holds yet): one step later they are in the tree. Shorter overlaps (a chat template's header) are
+# not worth a step of latency.
+IN_BATCH_PREFIX_MIN_TOKENS = 32
+
+
+class AdmissionMixin:
+    def _prefill_entries(self, budget: int, decodes: list[Req], reused: list[ReusedSlots]) -> list[tuple[Req, int]]:
+        """The next chunk of requests already prefilling, then newly admitted requests, within chunked_prefill_size."""
+        entries = []
+        committed = len(decodes)  # slots this step already promised
+        for req in [r for r in self.running if not r.is_decoding]:
+            if budget <= 0:
+                break
+            n = min(req.num_pending, budget)
+            if self._ensure_free_slots(committed + n):
+                entries.append((req, n))
+                budget -= n
+                committed += n
+        if budget > 0:
+            entries += self._admit(budget, committed, reused)
+        return entries
+
+    def _admit(self, budget: int, committed: int, reused: list[ReusedSlots]) -> list[tuple[Req, int]]:
+        """Admit waiting requests while their first chunk plus a decode reserve fits in free + evictable slots."""
+        if not self.waiting:
+            return []
+        ordered = order_waiting_queue(self.waiting, self.tree, self.args, self.step_count)
+        # Prompts being computed right now (not yet whole in the tree) that a waiting request could share.
+        admitted_fills = [r.fill_ids() for r in self.running if not r.is_decoding]
+        # Slots that running requests will still need for their outputs, discounted by the observed ratio.
+        reserved = sum(min(r.remaining_new_tokens, self.context_len) for r in self.running) * self.new_token_ratio
+        available = self.slot_allocator.num_free + self.tree.evictable_size - committed - reserved
+        admitted: list[tuple[Req, int]] = []
+        for req in ordered:
+            if budget <= 0 or self.row_allocator.num_free == 0:
+                break
+            fill = req.fill_ids()
+            match = self.tree.match_prefix(fill[:-1])
+            prefix_len = len(match.slots)
+            if self._shares_prefix_with(fill, prefix_len, admitted_fills):
+                continue  # wait one step and reuse that request's prefix from the tree instead of recomputing it
+            n = min(len(fill) - prefix_len, budget)
+            need = n + req.remaining_new_tokens * self.new_token_ratio
+            if need > available and (self.running or admitted):
+                break  # FCFS within the chosen order: do not let small requests overtake forever
+            self.tree.inc_lock_ref(match.last_node)
+            if not self._ensure_free_slots(committed + n):
+                self.tree.dec_lock_ref(match.last_node)
+                break
+            req.req_pool_idx = self.row_allocator.alloc()
+            req.last_node = match.last_node
+            req.slots[:prefix_len] = match.slots
+            req.kv_len = req.tree_len = prefix_len
+            req.status = ReqStatus.RUNNING
+            req.needs_worker_registration = True
+            if req.cached_tokens is None:
+                req.cached_tokens = min(prefix_len, len(req.prompt_ids))
+                req.admitted_time = time.time()
+                self.stats.cached_prompt_tokens += req.cached_tokens
+            if prefix_len:
+                reused.append(ReusedSlots(req.req_pool_idx, 0, match.slots.tobytes()))
+            self.waiting.remove(req)
+            self.running.append(req)
+            admitted.append((req, n))
+            admitted_fills.append(fill)
+            budget -= n
+            committed += n
+            available -= need
+        return admitted
+
+    def _shares_prefix_with(self, fill: np.ndarray, cached_len: int, others: list[np.ndarray]) -> bool:
+        """True when a prompt being computed this step shares a substantial prefix with this one, beyond what the
+        tree already holds: one step later that prefix is in the tree and need not be computed twice."""
+        if self.tree.disable:
+            return False
+        for other in others:
+            n = min(len(fill), len(other)) - 1
+            # Sharing more than the tree holds needs the token right after the cached part to match: an O(1) test
+            # that skips almost every pair (a batch of one chat group shares exactly the cached system prompt).
+            if n < IN_BATCH_PREFIX_MIN_TOKENS or n <= cached_len or other[cached_len] != fill[cached_len]:
+                continue
+            mismatch = np.flatnonzero(fill[:n] != other[:n])
+            common = int(mismatch[0]) if len(mismatch) else n
+            if common >= IN_BATCH_PREFIX_MIN_TOKENS and common > cached_len:
+                return True
+        return False

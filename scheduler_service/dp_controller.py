@@ -1,0 +1,140 @@
+"""The data-parallel controller process (--dp-size > 1), between the front end and the replicas' schedulers. It
+takes the scheduler's place on the front end's sockets: each new request goes to the replica the router picks
+(scheduler_service/dp_router.py), an abort to the replica running the request, /flush_cache and /server_info to all
+of them (one merged answer). Replies come back through here so that the router sees which requests finished, and
+the replicas' cache events keep its mirrors of their trees exact; outputs are passed on with the server's load
+(the sum of the replicas') in place of the replica's."""
+
+from __future__ import annotations
+
+import msgspec
+import zmq
+
+from radixserve.config import ServerArgs
+from radixserve.data_parallel import replica_endpoints
+from radixserve.ipc import Channel, Endpoints
+from radixserve.process_util import run_child
+from radixserve.protocol import (AbortRequest, BatchOutput, CacheEvents, FlushCacheRequest, FlushCacheResult,
+                                 ReplicaToController, SchedulerLoad, ServerInfo, ServerInfoRequest, TokenizedRequest,
+                                 TokenizerToScheduler, unpack_i32)
+from scheduler_service.dp_router import DataParallelRouter
+
+SUMMED = ("num_running", "num_waiting", "kv_total", "kv_free", "kv_evictable", "kv_protected", "kv_owned", "steps",
+          "prefill_tokens_computed", "cached_prompt_tokens", "retractions")
+PER_REPLICA = ("num_running", "num_waiting", "kv_owned", "kv_protected", "prefill_tokens_computed",
+               "cached_prompt_tokens")
+
+
+class DataParallelController:
+    def __init__(self, args: ServerArgs, endpoints: Endpoints):
+        self.args = args
+        ctx = zmq.Context()
+        self.from_front = Channel(ctx, zmq.PULL, endpoints.tokenizer_to_scheduler, bind=True,
+                                  recv_type=TokenizerToScheduler)
+        self.to_front = Channel(ctx, zmq.PUSH, endpoints.scheduler_to_tokenizer, bind=False)
+        replicas = [replica_endpoints(endpoints, i) for i in range(args.dp_size)]
+        self.to_replicas = [Channel(ctx, zmq.PUSH, ep.tokenizer_to_scheduler, bind=False) for ep in replicas]
+        # Raw sockets: outputs are passed on as the bytes that came in.
+        self.from_replicas = []
+        for ep in replicas:
+            sock = ctx.socket(zmq.PULL)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.bind(ep.scheduler_to_tokenizer)
+            self.from_replicas.append(sock)
+        self.decode = msgspec.msgpack.Decoder(ReplicaToController).decode
+        self.router = DataParallelRouter(args.dp_size, args.load_balance_method)
+        self.replies: dict[str, dict[int, FlushCacheResult | ServerInfo]] = {}
+        self.loads: list[SchedulerLoad | None] = [None] * args.dp_size
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.from_front.socket, zmq.POLLIN)
+        for sock in self.from_replicas:
+            poller.register(sock, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            for i, sock in enumerate(self.from_replicas):
+                if sock in ready:
+                    self._from_replica(i, sock)
+            if self.from_front.socket in ready:
+                message = self.from_front.recv_nowait()
+                while message is not None:
+                    self._from_front(message)
+                    message = self.from_front.recv_nowait()
+
+    def _from_front(self, message) -> None:
+        if isinstance(message, TokenizedRequest):
+            i = self.router.route(message.rid, unpack_i32(message.input_ids))
+            self.to_replicas[i].send(message)
+        elif isinstance(message, AbortRequest):
+            owner = self.router.owner.get(message.rid)
+            for i in ([owner] if owner is not None else range(len(self.to_replicas))):
+                self.to_replicas[i].send(message)
+        elif isinstance(message, (FlushCacheRequest, ServerInfoRequest)):
+            self.replies[message.request_id] = {}
+            for channel in self.to_replicas:
+                channel.send(message)
+
+    def _from_replica(self, i: int, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            message = self.decode(frame.buffer)
+            if isinstance(message, BatchOutput):
+                for out in message.outputs:
+                    if out.finished:
+                        self.router.finished(out.rid)
+                # The front end's gauges (running, waiting, KV slots) are of the whole server: every replica's sum.
+                self.loads[i] = message.load
+                message.load = SchedulerLoad(*(sum(column) for column in zip(*(
+                    (l.num_running, l.num_waiting, l.kv_slots_used, l.kv_slots_cached, l.kv_slots_total)
+                    for l in self.loads if l is not None))))
+                self.to_front.send(message)
+            elif isinstance(message, CacheEvents):
+                self.router.replicas[i].apply(message)
+            else:
+                self._gather(i, message)
+
+    def _gather(self, i: int, reply: FlushCacheResult | ServerInfo) -> None:
+        replies = self.replies.get(reply.request_id)
+        if replies is None:
+            return
+        replies[i] = reply
+        if len(replies) < len(self.to_replicas):
+            return
+        del self.replies[reply.request_id]
+        ordered = [replies[k] for k in range(len(self.to_replicas))]
+        if isinstance(reply, FlushCacheResult):
+            ok = all(r.success for r in ordered)
+            why = "; ".join(f"replica {k}: {r.message}" for k, r in enumerate(ordered) if not r.success)
+            self.to_front.send(FlushCacheResult(reply.request_id, ok, why))
+        else:
+            self.to_front.send(ServerInfo(reply.request_id, merge_server_info([r.info for r in ordered], self.args)))
+
+
+def merge_server_info(infos: list[dict], args: ServerArgs) -> dict:
+    """The first replica's settings, counters summed over replicas, a few per replica (dp<i>_...)."""
+    merged = dict(infos[0])
+    for key in SUMMED:
+        if all(isinstance(info.get(key), (int, float)) for info in infos):
+            merged[key] = sum(info[key] for info in infos)
+    merged["kv_invariant_ok"] = all(info.get("kv_invariant_ok", True) for info in infos)
+    for i, info in enumerate(infos):
+        for key in PER_REPLICA:
+            merged[f"dp{i}_{key}"] = info.get(key)
+    merged["dp_size"] = args.dp_size
+    merged["load_balance_method"] = args.load_balance_method
+    return merged
+
+
+def run_dp_controller(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready) -> None:
+    controller = DataParallelController(args, endpoints)
+    on_ready({"dp_size": args.dp_size})
+    controller.run()
+
+
+if __name__ == "__main__":
+    run_child("dp-controller", run_dp_controller)

@@ -1,0 +1,74 @@
+"""Executors: what runs a ForwardBatch and returns its sampled tokens. launch() starts a step and collect() waits
+for the oldest step launched, so a loop may keep more than one batch in flight (an overlapped loop launches step
+N+1 before it collects step N); the serial loop (step_loop.py) launches and collects one at a time.
+
+WorkerProcessesExecutor drives the worker processes over ZeroMQ (the server and Engine); InProcessExecutor runs a
+ModelRunner in this process (InProcessEngine); fake_executor.py stands in for the model in scheduler tests."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Protocol
+
+from radixserve.ipc import Channel
+from radixserve.protocol import ForwardBatch, SampledTokens
+
+logger = logging.getLogger(__name__)
+
+
+class Executor(Protocol):
+    def launch(self, batch: ForwardBatch) -> None:
+        """Start computing one step."""
+
+    def collect(self) -> SampledTokens:
+        """The sampled tokens of the oldest step launched and not yet collected (blocks until they exist)."""
+
+
+class InProcessExecutor:
+    """A ModelRunner (one rank) in this process, pipelined as a worker process runs it (radixserve/worker/worker.py):
+    a step's logits are computed when it is launched, before the previous step's tokens are read back; a step's
+    tokens are read back when the next one is launched or when they are collected, whichever comes first."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self._done: deque[SampledTokens] = deque()
+        self._sampled = None  # the last step launched: sampled on the device, not read back
+
+    def launch(self, batch: ForwardBatch) -> None:
+        logits = self.runner.compute_logits(batch)
+        self._finish_sampled()
+        self._sampled = self.runner.sample(batch, logits)
+
+    def collect(self) -> SampledTokens:
+        if not self._done:
+            self._finish_sampled()
+        return self._done.popleft()
+
+    def _finish_sampled(self) -> None:
+        if self._sampled is not None:
+            self._done.append(self.runner.finish_step(self._sampled))
+            self._sampled = None
+
+
+class WorkerProcessesExecutor:
+    """Every tensor-parallel rank gets the batch; rank 0 alone answers with the sampled tokens (all ranks hold the
+    same logits, so their samplers agree)."""
+
+    def __init__(self, to_workers: list[Channel], from_workers: Channel):
+        self.to_workers = to_workers
+        self.from_workers = from_workers
+        self._in_flight: deque[int] = deque()  # step numbers, oldest first
+
+    def launch(self, batch: ForwardBatch) -> None:
+        for channel in self.to_workers:
+            channel.send(batch)
+        self._in_flight.append(batch.step)
+
+    def collect(self) -> SampledTokens:
+        step = self._in_flight.popleft()
+        while True:
+            reply = self.from_workers.recv()
+            if isinstance(reply, SampledTokens) and reply.step == step:
+                return reply
+            logger.warning("unexpected message from workers while waiting for step %d: %r", step, reply)

@@ -1,0 +1,152 @@
+"""Result handling: the sampled tokens of a step go to their requests, and "finished" is decided here and nowhere
+else (stop token, stop string, length). A finished request's KV goes into the radix tree at once, so nothing is
+computed past its end. Computed prompt chunks are inserted as they complete, so that requests arriving meanwhile
+share them. Part of Scheduler (scheduler.py)."""
+
+from __future__ import annotations
+
+import time
+from array import array
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixserve.protocol import RequestOutput, ReusedSlots, SampledTokens, unpack_i32
+from scheduler_service.request import Req, ReqStatus
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request."""
+    req: Req
+    new_token_ids: list[int]
+    new_logprobs: list = field(default_factory=list)
+    finished: bool = False
+    num_outputs: int | None = None  # the request's outputs so far (None: all of output_ids; aborts, errors)
+
+    def to_message(self) -> RequestOutput:
+        req = self.req
+        num_outputs = self.num_outputs
+        if num_outputs is None:  # not counting placeholders of steps still in flight (an abort mid-step)
+            num_outputs = len(req.output_ids)
+            while num_outputs and req.output_ids[num_outputs - 1] < 0:
+                num_outputs -= 1
+        first = num_outputs == len(self.new_token_ids)
+        return RequestOutput(
+            # array('i') packs the same int32 bytes as protocol.pack_i32, without a numpy array per request.
+            rid=req.rid, token_ids=array("i", self.new_token_ids).tobytes(), logprobs=self.new_logprobs,
+            finished=self.finished, finish_reason=req.finish_reason if self.finished else None,
+            matched_stop=req.matched_stop, error=req.error, prompt_tokens=len(req.prompt_ids),
+            completion_tokens=num_outputs, cached_tokens=req.cached_tokens or 0,
+            queue_time=(req.admitted_time - req.arrival_time) if first and req.admitted_time else None)
+
+
+class ResultsMixin:
+    def process_results(self, scheduled, sampled: SampledTokens, output_index: list[int] | None = None) -> None:
+        """Apply one step's sampled tokens (a ScheduledBatch and what the executor returned for it). What each
+        request got is collected for take_outputs().
+
+        output_index (overlapped loop): where each sampled token goes in its request's output_ids, over the
+        placeholder put there at launch; a later placeholder (the step in flight now) may follow it. Without it
+        (serial loop) each token is appended."""
+        tokens = unpack_i32(sampled.token_ids).tolist()
+        logprobs = sampled.logprobs
+        sample_index = 0
+        now = time.time()
+        running = ReqStatus.RUNNING
+        outputs = self._outputs
+        cache_chunks = output_index is None  # the overlapped loop caches them at launch (cache_prompt_chunks)
+        for req, samples, prefill in zip(scheduled.reqs, scheduled.samples, scheduled.prefills):
+            if not samples:
+                if prefill and cache_chunks and req.status is running:
+                    # Share computed prompt tokens at once: requests arriving meanwhile hit them in the tree.
+                    self._cache_chunk(req)
+                continue
+            token = tokens[sample_index]
+            logprob = logprobs[sample_index] if logprobs else None
+            at = output_index[sample_index] if output_index is not None else None
+            sample_index += 1
+            if req.status is not running:
+                # (The overlapped loop never retracts a request with a token in flight: it would be lost here.)
+                assert at is None or req.status is ReqStatus.FINISHED, f"{req.rid} re-queued with a token in flight"
+                if at is not None:
+                    del req.output_ids[at:]  # aborted while in flight: its placeholders go, its token is dropped
+                continue
+            if at is None:
+                req.output_ids.append(token)
+            else:
+                req.output_ids[at] = token
+            if prefill and cache_chunks:
+                self._cache_chunk(req)
+            if logprob is not None:
+                req.logprobs.append(logprob)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            num_outputs = len(req.output_ids) if at is None else at + 1
+            out = StepOutput(req, [token], [logprob] if logprob is not None else [], False, num_outputs)
+            p = req.params
+            # Most tokens end nothing: test that cheaply before the full rules of _finish_reason.
+            reason = None
+            if (num_outputs >= p.max_new_tokens or req.stop_matcher is not None or token in self.eos_token_ids
+                    or p.stop_token_ids or len(req.prompt_ids) + num_outputs >= self.context_len):
+                reason = self._finish_reason(req, token, num_outputs)
+            if reason is not None:
+                # The step in flight may hold this request's next decode: its placeholder goes, and the slot that
+                # decode writes is in kv_len, so it is released below with the rest (once).
+                del req.output_ids[num_outputs:]
+                self.running.remove(req)
+                self._release(req, insert=True)
+                self._finish(req, reason)
+                out.finished = True
+            outputs.append(out)
+        if self.new_token_ratio > self.args.min_new_token_ratio:
+            self.new_token_ratio = max(self.args.min_new_token_ratio,
+                                       self.new_token_ratio - self.args.new_token_ratio_decay)
+
+    def cache_prompt_chunks(self, scheduled) -> None:
+        """Overlapped loop: insert the prompt chunks of a step just launched, before its results exist. Safe because
+        workers run steps in order: whoever reads these slots does so in a later step, after they are written."""
+        if self.tree.disable:
+            return
+        for req, prefill in zip(scheduled.reqs, scheduled.prefills):
+            if prefill and req.status is ReqStatus.RUNNING:
+                self._cache_chunk(req)
+
+    def _finish_reason(self, req: Req, token: int, num_outputs: int) -> str | None:
+        """Why the request ends with this token, its num_outputs-th output (sets matched_stop), or None. Stops are
+        ignored below min_new_tokens; a stop wins over length when one token meets both."""
+        p = req.params
+        n = num_outputs
+        out_of_length = n >= p.max_new_tokens or len(req.prompt_ids) + n >= self.context_len
+        if n >= p.min_new_tokens:
+            if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+                req.matched_stop = token
+                return "stop"
+            if req.stop_matcher is not None:
+                outputs = req.output_ids if n == len(req.output_ids) else req.output_ids[:n]
+                matched = req.stop_matcher.find(outputs, final=out_of_length)
+                if matched is not None:
+                    req.matched_stop = matched
+                    return "stop"
+        return "length" if out_of_length else None
+
+    def _cache_chunk(self, req: Req) -> None:
+        """Insert the computed part of a prompt (all chunks so far) so other requests can share it already, then
+        point the request at the tree's own slots (another request may have inserted the same tokens first)."""
+        if self.tree.disable:
+            return
+        fill = req.fill_ids()[:req.kv_len]
+        self.tree.insert(fill, req.slots[:req.kv_len])
+        match = self.tree.match_prefix(fill)
+        self._relock(req, match.last_node)
+        changed = np.flatnonzero(match.slots != req.slots[:req.kv_len])
+        if len(changed):
+            lo, hi = int(changed[0]), int(changed[-1]) + 1
+            req.slots[lo:hi] = match.slots[lo:hi]
+            self._pending_reused_slots.append((req, ReusedSlots(req.req_pool_idx, lo, match.slots[lo:hi].tobytes())))
+        req.tree_len = req.kv_len
+
+    def _relock(self, req: Req, node) -> None:
+        self.tree.inc_lock_ref(node)
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node = node

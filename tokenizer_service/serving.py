@@ -1,0 +1,113 @@
+"""What every route shares: the serving context (model shape, tokenizer, request manager) and the steps of a
+generating request before and after the scheduler.
+
+A generating request's path: parse the body (strict pydantic models of openai_schema, read as raw bytes so FastAPI
+neither coerces types nor answers in its own error shape) -> check the model name -> tokenize (tokenization.py,
+off the event loop) -> resolve max_tokens against the context -> SamplingParams -> RequestManager.submit -> stream
+SSE chunks (streaming.py) or collect the results.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from pydantic import ValidationError
+
+from radixserve.config import ModelConfig, ServerArgs
+from radixserve.request_validation import check_prompt_ids, check_request, default_max_new_tokens
+from radixserve.sampling import SamplingParams
+from tokenizer_service.errors import RequestError, error_for_status
+from tokenizer_service.metrics import ServerMetrics
+from tokenizer_service.openai_schema import openai_error_from_validation
+from tokenizer_service.request_manager import EngineOverloaded, EngineUnavailable, RequestGroup, RequestManager
+from tokenizer_service.streaming import abort_on_disconnect, first_error
+from tokenizer_service.structured_outputs import GrammarCheck
+from tokenizer_service.tokenization import Tokenization
+
+RETRY_AFTER_S = 1
+
+
+@dataclass
+class ServingContext:
+    """What every route needs: the model's shape, the tokenizer and the request manager."""
+    args: ServerArgs
+    model_dir: str
+    model_name: str
+    model_config: ModelConfig
+    context_len: int
+    tokenizer: Any
+    manager: RequestManager
+    metrics: ServerMetrics
+    started_at: int
+    tokenization: Tokenization | None = None  # built from the fields above when not given
+
+    def __post_init__(self):
+        tokenizer = self.tokenizer
+        # Compiles each request's grammar before admission (a bad one is a 400); see structured_outputs.py.
+        self.grammar_check = GrammarCheck(self.args.grammar_backend, self.tokenizer, self.vocab_size,
+                                          self.model_config.eos_token_ids)
+        if self.tokenization is None:
+            self.tokenization = Tokenization(tokenizer, self.context_len, self.args.tokenizer_workers)
+
+        # Logprob token strings: each token's own text; a vocabulary is small enough to cache whole.
+        @functools.lru_cache(maxsize=1 << 18)
+        def token_text(token_id: int) -> str:
+            return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+        self.token_text = token_text
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+
+async def parse_body(request: Request, model):
+    body = await request.body()
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        error = openai_error_from_validation(e)["error"]
+        raise RequestError(error["message"], param=error["param"]) from None
+
+
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    if model is not None and model != ctx.model_name:
+        raise RequestError(f"The model `{model}` does not exist.", status=404, type="not_found_error",
+                           param="model")
+
+
+def build_prompts(ctx: ServingContext, fields: dict, prompts: list[list[int]],
+                  param: str = "prompt") -> list[tuple[list[int], SamplingParams]]:
+    """Each prompt with its SamplingParams, validated (radixserve.request_validation, the checks Engine runs too);
+    max_new_tokens None means the rest of the context."""
+    out = []
+    for ids in prompts:
+        ids = check_prompt_ids(ids, ctx.vocab_size, param)
+        max_new_tokens = fields["max_new_tokens"]
+        if max_new_tokens is None:
+            max_new_tokens = default_max_new_tokens(len(ids), ctx.context_len)
+        params = SamplingParams(**{**fields, "max_new_tokens": max_new_tokens})
+        out.append((check_request(ids, params, ctx.vocab_size, ctx.context_len, param), params))
+    return out
+
+
+def submit(ctx: ServingContext, request_id: str, prompts, n: int, arrival: float) -> RequestGroup:
+    try:
+        return ctx.manager.submit(request_id, prompts, n, arrival)
+    except EngineOverloaded as e:
+        raise RequestError(str(e), status=503, type="service_unavailable_error",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except EngineUnavailable as e:
+        raise error_for_status(str(e), 503) from None
+
+
+async def collect(request: Request, group: RequestGroup):
+    async with abort_on_disconnect(request.receive, group):
+        results = await group.collect()
+    error = first_error(results)
+    if error is not None:
+        raise error
+    return results

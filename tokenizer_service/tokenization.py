@@ -1,0 +1,111 @@
+"""Prompts to token ids, off the HTTP event loop.
+
+Tokenizing a long prompt or rendering a chat template takes CPU time proportional to the text (seconds for a few
+MB). On the event loop that time would stall /health and every other client, so it runs in a small thread pool
+(--tokenizer-workers); the Rust tokenizer releases the GIL while it encodes. Each worker thread has its own copy
+of the tokenizer: the HF fast tokenizer is not safe to use from several threads at once.
+
+Before any of that, a cheap length check: no token of this vocabulary spans more than `max_token_chars`
+characters, so a text longer than context_len * max_token_chars can never fit the context and is refused at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
+
+from tokenizer_service.errors import RequestError
+from tokenizer_service.openai_schema import ChatCompletionRequest
+from tokenizer_service.structured_outputs import chat_template_inputs
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def longest_token_chars(tokenizer) -> int:
+    """Characters of the longest vocabulary entry (added tokens such as <|im_start|> included). Byte-level entries
+    have one character per byte, so this bounds how many characters of text one token can cover."""
+    return max(1, max((len(token) for token in tokenizer.get_vocab()), default=1))
+
+
+class Tokenization:
+    """Encodes prompts and renders chat templates in a thread pool, after the cheap length check. The ids are
+    validated afterwards with the sampling parameters (serving.build_prompts)."""
+
+    def __init__(self, tokenizer, context_len: int, workers: int):
+        self.tokenizer, self.context_len = tokenizer, context_len
+        self.max_token_chars = longest_token_chars(tokenizer)
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenize")
+        for _ in range(workers):  # copy the tokenizer now rather than in the first requests
+            self._pool.submit(self._thread_tokenizer)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------------------ threads
+
+    def _thread_tokenizer(self):
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self.tokenizer)
+        return tokenizer
+
+    async def _run(self, fn: Callable[..., Any], *args) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    # ------------------------------------------------------------------------------------------- checks
+
+    def check_chars(self, chars: int, param: str) -> None:
+        if chars > self.context_len * self.max_token_chars:
+            raise RequestError(
+                f"This model's maximum context length is {self.context_len} tokens. However, your {param} has "
+                f"{chars} characters, more than {self.context_len} tokens can hold (no token of this model spans "
+                f"more than {self.max_token_chars} characters). Please reduce the length of the {param}.",
+                param=param)
+
+    # ------------------------------------------------------------------------------------------ prompts
+
+    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+        tokenizer = self._thread_tokenizer()
+        return [tokenizer.encode(text) for text in texts]
+
+    async def encode_prompts(self, prompt: str | list, param: str) -> list[list[int]]:
+        """The OpenAI prompt shapes (str, list[str], list[int], list[list[int]]) as token-id lists."""
+        if isinstance(prompt, str) or all(isinstance(p, str) for p in prompt):
+            texts = [prompt] if isinstance(prompt, str) else list(prompt)
+            for text in texts:
+                self.check_chars(len(text), param)
+            prompts = await self._run(self._encode_texts, texts)
+        elif all(isinstance(p, int) for p in prompt):
+            prompts = [list(prompt)]
+        else:
+            prompts = [list(p) for p in prompt]
+        return prompts
+
+    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, options: dict) -> list[int]:
+        tokenizer = self._thread_tokenizer()
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                tokenize=True, return_dict=False, **options)
+        except Exception as e:  # noqa: BLE001 - jinja raises whatever the template says ("roles must alternate")
+            raise RequestError(f"Could not apply the chat template: {e}", param="messages") from None
+        return list(ids)
+
+    async def encode_chat(self, req: ChatCompletionRequest) -> list[int]:
+        """The server's own chat template over the request's messages. chat_template_kwargs reach the template only
+        as the allow-listed booleans openai_schema accepts: a client can never supply template source."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("This model has no chat template; use /v1/completions", param="messages")
+        # Tools go to a template that knows them as tools=, else into the system message (structured_outputs.py).
+        messages, tool_options = chat_template_inputs(req.template_messages(), req.tools, self.tokenizer)
+        self.check_chars(sum(len(m["content"]) + len(m.get("name") or "") for m in messages), "messages")
+        options = {**dict(req.chat_template_kwargs or {}), **tool_options}
+        add_generation_prompt = options.pop("add_generation_prompt", req.add_generation_prompt)
+        return await self._run(self._render_chat, messages, add_generation_prompt, options)
