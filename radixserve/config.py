@@ -84,7 +84,10 @@ class ServerArgs:
                                       "Visible in ps: prefer $RADIXSERVE_API_KEY or --api-key-file.")
     api_key_file: str | None = _flag(None, "Read the API key from this file (first line), instead of --api-key.")
     max_request_bytes: int = _flag(8 * 1024 * 1024, "Largest accepted request body (413 above).")
-    max_queued_requests: int = _flag(4096, "Most requests in flight before 503 + Retry-After.")
+    max_queued_requests: int = _flag(4096, "Most sequences in flight before 503 + Retry-After (one request with "
+                                           "more sequences than this by itself gets a 400).")
+    max_sequences_per_request: int = _flag(128, "Most sequences (prompts x n) in one request; more is a 400 "
+                                                "(OpenAI's limit on n is 128).")
     max_header_bytes: int = _flag(64 * 1024, "Largest accepted request line + headers (431 above).")
     tokenizer_workers: int = _flag(2, "Threads that tokenize prompts and render chat templates, off the HTTP event "
                                       "loop (a huge prompt does not stall other clients).")
@@ -126,6 +129,8 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size must be positive or -1 (no chunking)")
         if self.shared_prefix_min_tokens < 1:
             raise ValueError(f"--shared-prefix-min-tokens must be >= 1, got {self.shared_prefix_min_tokens}")
+        if self.max_sequences_per_request < 1:
+            raise ValueError(f"--max-sequences-per-request must be >= 1, got {self.max_sequences_per_request}")
         if self.tokenizer_workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
         if self.max_header_bytes < 1024:

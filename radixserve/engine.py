@@ -57,6 +57,8 @@ class EngineBase:
         self.tokenizer = load_tokenizer(self.args.tokenizer or self.model_dir)
         self._ids = itertools.count()
         self._prefix = uuid.uuid4().hex[:8]
+        # The scheduler's total KV slots, set by a subclass once its scheduler is up; None skips that check.
+        self.kv_pool_tokens: int | None = None
 
     # transport
     def _submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -122,7 +124,8 @@ class EngineBase:
         elif isinstance(params, dict):
             params = SamplingParams(**params)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return check_request(ids, params, self.model_config.vocab_size, self.context_len), params
+        return check_request(ids, params, self.model_config.vocab_size, self.context_len,
+                             kv_pool_tokens=self.kv_pool_tokens), params
 
 
 def _result(pipeline: RequestPipeline, result: SequenceResult) -> GenerationResult:
@@ -155,6 +158,7 @@ class Engine(EngineBase):
             message = self._launcher.dead_child_message() or f"{dead.name} did not start"
             self.shutdown()
             raise RuntimeError(f"engine failed to start: {message}")
+        self.kv_pool_tokens = self.server_info().get("kv_pool_tokens")
 
     def _submit(self, rid, prompt_ids, params) -> None:
         from radixserve.protocol import TokenizedRequest, pack_i32

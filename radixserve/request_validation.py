@@ -3,8 +3,9 @@ before anything is queued, so a bad request fails the same way (the HTTP routes 
 in OpenAI error format; Engine raises it, a ValueError, to the caller).
 
 What is checked here is what the request alone decides: its prompt ids lie in the vocabulary, prompt plus
-completion fit the model's context, the sampling parameters are in range. Whether the KV pool can hold it is the
-scheduler's concern (it knows the pool) and stays there.
+completion fit the model's context and the KV pool's total size (a request larger than the pool could only be
+admitted, grow, retract others and fail), the sampling parameters are in range. Whether the pool has room *now*
+is the scheduler's concern (it queues the request until it has).
 """
 
 from __future__ import annotations
@@ -56,13 +57,25 @@ def check_context_length(prompt_len: int, max_new_tokens: int, context_len: int)
                              f"in the completion). Please reduce the length of the messages or completion.")
 
 
+def check_kv_pool(prompt_len: int, max_new_tokens: int, kv_pool_tokens: int) -> None:
+    """One sequence holds one KV slot per token; more tokens than the pool has slots can never be held at once."""
+    if prompt_len + max_new_tokens > kv_pool_tokens:
+        raise InvalidRequest(f"This server's KV cache holds at most {kv_pool_tokens} tokens per sequence. However, "
+                             f"you requested {prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, "
+                             f"{max_new_tokens} in the completion). Please reduce the length of the prompt or "
+                             f"max_tokens.", "max_tokens")
+
+
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, context_len: int,
-                  param: str = "prompt") -> list[int]:
-    """Everything a request must satisfy before it is queued; returns the prompt ids as a list of ints."""
+                  param: str = "prompt", kv_pool_tokens: int | None = None) -> list[int]:
+    """Everything a request must satisfy before it is queued; returns the prompt ids as a list of ints.
+    kv_pool_tokens: the scheduler's total KV slots, once known (None skips that check)."""
     ids = check_prompt_ids(prompt_ids, vocab_size, param)
     try:
         params.validate(vocab_size)
     except ValueError as e:
         raise InvalidRequest(str(e)) from None
     check_context_length(len(ids), params.max_new_tokens, context_len)
+    if kv_pool_tokens is not None:
+        check_kv_pool(len(ids), params.max_new_tokens, kv_pool_tokens)
     return ids

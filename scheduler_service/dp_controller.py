@@ -122,6 +122,9 @@ def merge_server_info(infos: list[dict], args: ServerArgs) -> dict:
         if all(isinstance(info.get(key), (int, float)) for info in infos):
             merged[key] = sum(info[key] for info in infos)
     merged["kv_invariant_ok"] = all(info.get("kv_invariant_ok", True) for info in infos)
+    # A request goes to one replica, any of them: it must fit the smallest pool.
+    if all(isinstance(info.get("kv_pool_tokens"), int) for info in infos):
+        merged["kv_pool_tokens"] = min(info["kv_pool_tokens"] for info in infos)
     for i, info in enumerate(infos):
         for key in PER_REPLICA:
             merged[f"dp{i}_{key}"] = info.get(key)

@@ -1,6 +1,12 @@
 """Order of the waiting queue: longest cached prefix first (LPM) while the queue is short, plain FCFS when it is
 long (matching every waiting prompt each step would cost more than it saves), and aged requests always first so
-a cache miss cannot be starved by a stream of cache hits."""
+a cache miss cannot be starved by a stream of cache hits.
+
+Fairness between requests: that order is then dealt round-robin over request groups (the sequences of one HTTP
+request, whose rids are f"{request_id}-{index}"): each group's first sequence in the order, then each group's
+second, and so on, groups taken in the order their first sequence appears. A request with 1,000 prompts therefore
+gets one admission slot per round like any other request instead of holding everyone behind it; within a group,
+and between single-sequence requests, the LPM / FCFS / aging order above is unchanged."""
 
 from __future__ import annotations
 
@@ -14,6 +20,32 @@ LPM_MAX_QUEUE = 128
 
 
 def order_waiting_queue(waiting: deque[Req], tree: RadixCache, args: ServerArgs, step: int) -> list[Req]:
+    return interleave_request_groups(_policy_order(waiting, tree, args, step))
+
+
+def request_group(rid: str) -> str:
+    """The request a sequence belongs to: its rid without the final -<index> (a rid without one is its own)."""
+    group, dash, _ = rid.rpartition("-")
+    return group if dash else rid
+
+
+def interleave_request_groups(ordered: list[Req]) -> list[Req]:
+    """Round-robin over request groups, keeping `ordered`'s order within each group and among groups' heads."""
+    turn_in_group: dict[str, int] = {}
+    group_rank: dict[str, int] = {}
+    keys = []
+    for position, req in enumerate(ordered):
+        group = request_group(req.rid)
+        turn = turn_in_group.get(group, 0)
+        turn_in_group[group] = turn + 1
+        rank = group_rank.setdefault(group, len(group_rank))
+        keys.append((turn, rank, position))
+    if len(group_rank) <= 1:
+        return ordered  # one request (or none): nothing to share
+    return [ordered[position] for _, _, position in sorted(keys)]
+
+
+def _policy_order(waiting: deque[Req], tree: RadixCache, args: ServerArgs, step: int) -> list[Req]:
     if args.schedule_policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE or tree.disable:
         return list(waiting)
     aged = [r for r in waiting if step - r.arrival_step > args.max_wait_steps or r.retractions]

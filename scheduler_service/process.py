@@ -107,6 +107,8 @@ class SchedulerProcess:
         usage = s.kv_usage()
         return {"num_running": len(s.running), "num_waiting": len(s.waiting), "kv_invariant_ok": invariant_ok,
                 **{f"kv_{k}": v for k, v in usage.items()}, "context_len": s.context_len,
+                # The most tokens one sequence can ever hold: the front ends refuse larger requests with a 400.
+                "kv_pool_tokens": s.slot_allocator.num_total,
                 "steps": s.stats.steps, "prefill_tokens_computed": s.stats.prefill_tokens_computed,
                 "cached_prompt_tokens": s.stats.cached_prompt_tokens, "retractions": s.stats.retractions,
                 "grouped_decodes": s.stats.grouped_decodes,

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from scheduler_service.in_process_engine import InProcessEngine
+from radixserve.request_validation import InvalidRequest
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import tiny_model_dir
 from scheduler_service.request import Req
@@ -100,6 +101,11 @@ def test_tiny_kv_pool_forces_eviction_and_retraction(model_dir, reference_output
 
 def test_request_larger_than_the_pool_fails_cleanly(model_dir):
     engine = make_engine(model_dir, max_total_tokens=40, chunked_prefill_size=16)
+    # The front end refuses it before anything is queued (request_validation.check_kv_pool) ...
+    with pytest.raises(InvalidRequest, match="KV cache holds at most 40 tokens"):
+        engine.generate(list(range(100, 160)), greedy(4))
+    # ... and a request that skipped that check still fails cleanly in the scheduler, without harming others.
+    engine.kv_pool_tokens = None
     ok, too_big = engine.generate([[5] * 10, list(range(100, 160))], [greedy(4), greedy(4)])
     assert ok.finish_reason == "length" and len(ok.token_ids) == 4
     assert too_big.finish_reason == "error" and "cannot hold" in too_big.error

@@ -14,7 +14,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from radixserve.request_validation import InvalidRequest
-from tokenizer_service.openai_schema import openai_error
+from tokenizer_service.request_errors import openai_error
 
 logger = logging.getLogger(__name__)
 

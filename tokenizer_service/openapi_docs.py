@@ -13,7 +13,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from tokenizer_service.openai_schema import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
+from tokenizer_service.request_fields import INT64_MAX, INT64_MIN, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS
 
 REF = "#/components/schemas/{model}"
 

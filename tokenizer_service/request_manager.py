@@ -53,6 +53,10 @@ class EngineOverloaded(Exception):
     """More sequences in flight than --max-queued-requests allows (HTTP 503 + Retry-After)."""
 
 
+class TooManySequences(Exception):
+    """One request with more sequences than it could ever be given (HTTP 400: retrying cannot help)."""
+
+
 class EngineUnavailable(Exception):
     """The server is shutting down or the engine stopped answering (HTTP 503)."""
 
@@ -136,10 +140,12 @@ class RequestGroup:
 
 class RequestManager:
     def __init__(self, tokenizer, endpoints: Endpoints, metrics: ServerMetrics, max_in_flight: int,
-                 engine_dead_s: float = ENGINE_DEAD_S):
+                 engine_dead_s: float = ENGINE_DEAD_S, max_per_request: int | None = None):
+        """max_in_flight: --max-queued-requests; max_per_request: --max-sequences-per-request (None: no cap)."""
         self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_in_flight = max_in_flight
+        self.max_per_request = max_per_request
         self.engine_dead_s = engine_dead_s
         self._endpoints = endpoints
         self._sequences: dict[str, Sequence] = {}
@@ -149,6 +155,9 @@ class RequestManager:
         self.last_heard = time.monotonic()  # last message from the scheduler (or our start, for the watchdog)
         self.heard_from_scheduler = False
         self.latest_load: SchedulerLoad | None = None
+        # The scheduler's total KV slots: a request longer than that is a 400 (request_validation.check_kv_pool).
+        # None until the scheduler has answered; see _learn_kv_pool.
+        self.kv_pool_tokens: int | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -158,7 +167,8 @@ class RequestManager:
         self._from_scheduler = AsyncChannel(self._ctx, zmq.PULL, self._endpoints.scheduler_to_tokenizer, bind=True,
                                             recv_type=SchedulerToTokenizer)
         self._tasks = [asyncio.create_task(self._receive_loop(), name="scheduler-receive"),
-                       asyncio.create_task(self._watchdog(), name="scheduler-watchdog")]
+                       asyncio.create_task(self._watchdog(), name="scheduler-watchdog"),
+                       asyncio.create_task(self._learn_kv_pool(), name="learn-kv-pool")]
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end the ones in flight with an error, so that no client waits on an engine
@@ -175,6 +185,10 @@ class RequestManager:
         self._ctx.term()
 
     @property
+    def closing(self) -> bool:
+        return self._closing
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._sequences)
 
@@ -186,6 +200,16 @@ class RequestManager:
         if self._closing:
             raise EngineUnavailable("The server is shutting down")
         wanted = len(prompts) * n
+        # Limits one request can never meet are a 400; a full queue (503 + Retry-After) is only for a request that
+        # would fit once others finish.
+        if self.max_per_request is not None and wanted > self.max_per_request:
+            raise TooManySequences(
+                f"This request has {wanted} sequences ({len(prompts)} prompts x n={n}), more than the limit of "
+                f"{self.max_per_request} per request (--max-sequences-per-request).")
+        if wanted > self.max_in_flight:
+            raise TooManySequences(
+                f"This request has {wanted} sequences ({len(prompts)} prompts x n={n}), more than this server ever "
+                f"holds in flight ({self.max_in_flight}, --max-queued-requests).")
         if self.num_in_flight + wanted > self.max_in_flight:
             raise EngineOverloaded(
                 f"The server is overloaded: {self.num_in_flight} sequences in flight and this request adds "
@@ -302,6 +326,17 @@ class RequestManager:
         it does not answer in time."""
         reply: ServerInfo = await self._ask(ServerInfoRequest, timeout)
         return dict(reply.info)
+
+    async def _learn_kv_pool(self) -> None:
+        """Ask the scheduler for its pool size once, at start. The question is the first message on the socket, so
+        the scheduler answers it before any /health ping: by the time /health says 200 (and launch.py reports
+        ready), requests are checked against the pool. A slow model load only means asking again."""
+        while self.kv_pool_tokens is None and not self._closing:
+            try:
+                self.kv_pool_tokens = (await self.server_info()).get("kv_pool_tokens")
+                return
+            except asyncio.TimeoutError:
+                continue
 
     async def flush_cache(self, timeout: float = HEALTH_TIMEOUT_S) -> FlushCacheResult:
         return await self._ask(FlushCacheRequest, timeout)

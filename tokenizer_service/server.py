@@ -63,7 +63,8 @@ async def _serve(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_read
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     model_name = args.served_model_name or Path(model_dir).name
     metrics = ServerMetrics(model_name)
-    manager = RequestManager(tokenizer, endpoints, metrics, max_in_flight=args.max_queued_requests)
+    manager = RequestManager(tokenizer, endpoints, metrics, max_in_flight=args.max_queued_requests,
+                             max_per_request=args.max_sequences_per_request)
     ctx = ServingContext(args=args, model_dir=str(model_dir), model_name=model_name, model_config=model_config,
                          context_len=model_config.context_len(args.context_length), tokenizer=tokenizer,
                          manager=manager, metrics=metrics, started_at=int(time.time()))

@@ -22,7 +22,8 @@ from radixserve.sampling import SamplingParams
 from tokenizer_service.errors import RequestError, error_for_status
 from tokenizer_service.metrics import ServerMetrics
 from tokenizer_service.openai_schema import openai_error_from_validation
-from tokenizer_service.request_manager import EngineOverloaded, EngineUnavailable, RequestGroup, RequestManager
+from tokenizer_service.request_manager import (EngineOverloaded, EngineUnavailable, RequestGroup, RequestManager,
+                                               TooManySequences)
 from tokenizer_service.streaming import abort_on_disconnect, first_error
 from tokenizer_service.structured_outputs import GrammarCheck
 from tokenizer_service.tokenization import Tokenization
@@ -90,13 +91,16 @@ def build_prompts(ctx: ServingContext, fields: dict, prompts: list[list[int]],
         if max_new_tokens is None:
             max_new_tokens = default_max_new_tokens(len(ids), ctx.context_len)
         params = SamplingParams(**{**fields, "max_new_tokens": max_new_tokens})
-        out.append((check_request(ids, params, ctx.vocab_size, ctx.context_len, param), params))
+        out.append((check_request(ids, params, ctx.vocab_size, ctx.context_len, param,
+                                  ctx.manager.kv_pool_tokens), params))
     return out
 
 
 def submit(ctx: ServingContext, request_id: str, prompts, n: int, arrival: float) -> RequestGroup:
     try:
         return ctx.manager.submit(request_id, prompts, n, arrival)
+    except TooManySequences as e:
+        raise RequestError(str(e), param="n") from None
     except EngineOverloaded as e:
         raise RequestError(str(e), status=503, type="service_unavailable_error",
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
