@@ -33,6 +33,7 @@ import aiohttp
 import httpx
 
 from radixserve.launcher import free_port
+from radixserve.process_util import process_tree_argv
 from radixserve.testing.tiny_models import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,23 +67,7 @@ def start_server(model_dir: str, extra: list[str]) -> tuple[subprocess.Popen, st
 
 def process_tree(root: int) -> dict[int, str]:
     """root and its descendants, each named by what it runs (launch.py, worker-0, scheduler, tokenizer)."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    tree, frontier = {}, [root]
-    while frontier:
-        pid = frontier.pop()
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        tree[pid] = process_name(argv, pid)
-        frontier += [child for child, parent in parents.items() if parent == pid]
-    return tree
+    return {pid: process_name(argv, pid) for pid, argv in process_tree_argv(root).items()}
 
 
 def process_name(argv: list[str], pid: int) -> str:

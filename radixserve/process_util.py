@@ -120,3 +120,26 @@ def run_child(name: str, main: Callable, extra_args: tuple[str, ...] = ()) -> No
         launcher.send(ProcessFailed(name, message))
         time.sleep(0.2)  # let the message leave before the socket dies with us
         os._exit(1)
+
+
+def process_tree_argv(root: int) -> dict[int, list[str]]:
+    """root and every process below it, each with its argv, read from /proc (Linux). A process that exits while we
+    read is left out. Tests and bench/soak.py use it to find the server's children and what each one runs."""
+    from pathlib import Path
+
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+    tree, frontier = {}, [root]
+    while frontier:
+        pid = frontier.pop()
+        try:
+            tree[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        frontier += [child for child, parent in parents.items() if parent == pid]
+    return tree

@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from radixserve.process_util import process_tree_argv
 from radixserve.testing.tiny_models import tiny_model_dir
 from server_fixture import LaunchedServer
 
@@ -29,23 +30,7 @@ EXIT_WITHIN_S = 20  # launch.py stops the others (SIGTERM, 5 s grace) and exits
 
 def process_tree(root: int) -> dict[int, str]:
     """root's descendants (not root) with their command lines, from /proc."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    tree, frontier = {}, [root]
-    while frontier:
-        pid = frontier.pop()
-        for child in (c for c, parent in parents.items() if parent == pid):
-            try:
-                tree[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-            except OSError:
-                continue
-            frontier.append(child)
-    return tree
+    return {pid: " ".join(argv) for pid, argv in process_tree_argv(root).items() if pid != root}
 
 
 def alive(pid: int) -> bool:

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from radixserve.process_util import process_tree_argv
 from radixserve.testing.tiny_models import tiny_model_dir
 from server_fixture import LaunchedServer
 
@@ -23,26 +24,7 @@ WATCHDOG_S = 3
 
 def process_tree(root: int) -> dict[int, str]:
     """root and all its descendants, with their command lines."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    tree, frontier = {root}, [root]
-    while frontier:
-        pid = frontier.pop()
-        children = [child for child, parent in parents.items() if parent == pid]
-        tree.update(children)
-        frontier += children
-    cmdlines = {}
-    for pid in tree:
-        try:
-            cmdlines[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-    return cmdlines
+    return {pid: " ".join(argv) for pid, argv in process_tree_argv(root).items()}
 
 
 def listening_sockets(pids) -> list[tuple[int, str, str]]:
