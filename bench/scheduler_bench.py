@@ -2,7 +2,8 @@
 real step loop (overlapped unless --disable-overlap-schedule), plus the cost of admitting a wave of chat requests
 that share a system prompt.
 
-    python -m bench.scheduler_bench [--running 256] [--steps 200] [--disable-overlap-schedule] [--profile]
+    python -m bench.scheduler_bench [--running 256] [--steps 200] [--disable-overlap-schedule]
+                                    [--disable-incremental-decode-batch] [--profile]
 
 A stand-in executor returns random tokens at once, so what is timed is the scheduler alone: schedule() (batch
 built and encoded as the message the workers get), the placeholders of the overlapped loop, process_results()
@@ -51,11 +52,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--disable-overlap-schedule", action="store_true")
+    parser.add_argument("--disable-incremental-decode-batch", action="store_true",
+                        help="rebuild every decode batch from its requests (scheduler_service/decode_batch.py off)")
     parser.add_argument("--profile", action="store_true", help="cProfile the decode steps, print the top functions")
     ns = parser.parse_args()
     rng = np.random.default_rng(0)
     args = ServerArgs(device="cpu", max_running_requests=ns.running, chunked_prefill_size=1 << 20,
-                      disable_overlap_schedule=ns.disable_overlap_schedule)
+                      disable_overlap_schedule=ns.disable_overlap_schedule,
+                      disable_incremental_decode_batch=ns.disable_incremental_decode_batch)
     scheduler = Scheduler(args, num_kv_slots=ns.running * (ns.prompt_len + 2 * ns.steps + 16) + 1024,
                           context_len=ns.prompt_len + 2 * ns.steps + 64, eos_token_ids=[2])
     loop = make_step_loop(scheduler, RandomTokens())

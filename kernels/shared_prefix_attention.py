@@ -43,15 +43,21 @@ from kernels import triton_attention
 from kernels.triton_attention import _LOG2E, _dot_precision, _online_softmax_block
 
 
-@triton.jit
+# Split counts and offsets are runtime ints, not compile-time constants, and exempt from Triton's specialisation on
+# value; the group tables' pointers are exempt from alignment specialisation. All of these change with the batch's
+# size, its groups and the longest context, and each new combination would be a compile of a second or more in the
+# middle of serving (suspected cause of H100 W1 runs taking up to 3x their median: bench/results/).
+@triton_attention.jit(do_not_specialize=["num_splits", "prefix_splits"],
+                      unaligned=["Req_pool_indices", "Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
 def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Suffix_start,
                          Mid_o, Mid_lse, O, Req_group, Group_prefix_lens, qk_scale,
                          stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
                          stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         num_splits, prefix_splits,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                         PREFIX_SPLITS: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr):
+                         PREFIX_BLOCK_N: tl.constexpr):
     # triton_attention's decode split kernel, shifted to start at the request's own tokens.
     # FUSED_MERGE (one split only): the prefix kernel has already run, and this program folds the
     # group's prefix slices into its own running softmax and writes o itself: no merge launch, and
@@ -62,7 +68,7 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
 
     first = tl.load(Suffix_start + req)
     own_len = tl.load(Seq_lens + req) - first
-    split_len = tl.cdiv(tl.cdiv(own_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(own_len, num_splits), BLOCK_N) * BLOCK_N
     start = first + split * split_len
     end = tl.minimum(start + split_len, first + own_len)
     if not FUSED_MERGE:
@@ -97,7 +103,7 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
         group = tl.load(Req_group + req)
         prefix_len = tl.load(Group_prefix_lens + tl.maximum(group, 0))
         prefix_len = tl.where(group >= 0, prefix_len, 0)
-        slice_len = tl.cdiv(tl.cdiv(prefix_len, PREFIX_SPLITS), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
+        slice_len = tl.cdiv(tl.cdiv(prefix_len, prefix_splits), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
         # The prefix kernel skipped the slices that start past the prefix; so does this loop.
         live_slices = tl.where(prefix_len > 0, tl.cdiv(prefix_len, tl.maximum(slice_len, 1)), 0)
         for s in range(0, live_slices):
@@ -120,13 +126,13 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
         tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
 
 
-@triton.jit
+@triton_attention.jit(do_not_specialize=["first_split", "num_splits"],
+                      unaligned=["Group_prefix_lens", "Group_prefix_rows", "Group_member_start", "Group_members"])
 def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_prefix_rows, Group_member_start,
                    Group_members, Mid_o, Mid_lse, qk_scale,
                    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
-                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
+                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, first_split, num_splits,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   FIRST_SPLIT: tl.constexpr, NUM_SPLITS: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
     # Row blocks of one (group, KV head, slice) are adjacent in launch order: they read the same
@@ -142,7 +148,7 @@ def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_p
     if first_row >= num_members * GROUP:
         return  # the grid is sized for the largest group (and for padding groups with no members)
     prefix_len = tl.load(Group_prefix_lens + group)
-    split_len = tl.cdiv(tl.cdiv(prefix_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, prefix_len)
     if start >= end:
@@ -174,17 +180,18 @@ def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_p
         m_i, l_i, acc = _online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
                                               True, DOT_PRECISION)
 
-    slot = FIRST_SPLIT + split
+    slot = first_split + split
     out_ptr = Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + slot * stride_mos + dims[None, :]
     tl.store(out_ptr, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
     tl.store(Mid_lse + reqs * stride_mlb + heads * stride_mlh + slot, m_i + tl.log2(l_i), mask=row_ok)
 
 
-@triton.jit
+@triton_attention.jit(do_not_specialize=["suffix_splits", "prefix_splits"],
+                      unaligned=["Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
 def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_prefix_lens,
                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                  HEAD_DIM: tl.constexpr, SUFFIX_SPLITS: tl.constexpr, PREFIX_SPLITS: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+                  suffix_splits, prefix_splits,
+                  HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                   SUFFIX_BLOCK_N: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr):
     # One log-sum-exp reduction over the suffix splits and the group's prefix slices together.
     req = tl.program_id(0)
@@ -195,12 +202,12 @@ def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_pr
     prefix_len = tl.where(group >= 0, prefix_len, 0)
 
     splits = tl.arange(0, BLOCK_S)
-    suffix_split_len = tl.cdiv(tl.cdiv(own_len, SUFFIX_SPLITS), SUFFIX_BLOCK_N) * SUFFIX_BLOCK_N
-    prefix_split_len = tl.cdiv(tl.cdiv(prefix_len, PREFIX_SPLITS), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
-    is_suffix = splits < SUFFIX_SPLITS
+    suffix_split_len = tl.cdiv(tl.cdiv(own_len, suffix_splits), SUFFIX_BLOCK_N) * SUFFIX_BLOCK_N
+    prefix_split_len = tl.cdiv(tl.cdiv(prefix_len, prefix_splits), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
+    is_suffix = splits < suffix_splits
     live = tl.where(is_suffix, splits * suffix_split_len < own_len,
-                    (splits < SUFFIX_SPLITS + PREFIX_SPLITS)
-                    & ((splits - SUFFIX_SPLITS) * prefix_split_len < prefix_len))
+                    (splits < suffix_splits + prefix_splits)
+                    & ((splits - suffix_splits) * prefix_split_len < prefix_len))
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     # Dead splits were never written (this step or any other): masked loads keep them out of the sum.
@@ -239,7 +246,7 @@ def prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device
     target = cfg["programs_per_sm"] * triton_attention._sm_count(device)
     splits = triton.cdiv(target, max(1, num_groups * num_kv_heads * m_blocks))
     splits = min(splits, triton.cdiv(max(1, max_prefix_len), cfg["min_split_tokens"]), cfg["max_splits"])
-    return max(1, splits)
+    return triton_attention.power_of_two_at_most(splits)
 
 
 def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
@@ -281,8 +288,8 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     _prefix_kernel[(m_blocks, num_groups * hkv, p_splits)](
         q, k_cache, v_cache, req_to_token, group_prefix_lens, group_prefix_rows, group_member_start,
         group_members, mid_o, mid_lse, qk_scale,
-        q.stride(0), q.stride(1), *cache_strides, req_to_token.stride(0), *mid_strides,
-        NUM_KV_HEADS=hkv, GROUP=group, HEAD_DIM=d, FIRST_SPLIT=first_prefix_split, NUM_SPLITS=p_splits,
+        q.stride(0), q.stride(1), *cache_strides, req_to_token.stride(0), *mid_strides, first_prefix_split, p_splits,
+        NUM_KV_HEADS=hkv, GROUP=group, HEAD_DIM=d,
         BLOCK_M=pcfg["BLOCK_M"], BLOCK_D=block_d, BLOCK_N=pcfg["BLOCK_N"], DOT_PRECISION=precision,
         num_warps=pcfg["num_warps"], num_stages=pcfg["num_stages"],
     )
@@ -290,17 +297,17 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, req_suffix_start, mid_o, mid_lse,
         o, req_group, group_prefix_lens, qk_scale,
         q.stride(0), q.stride(1), *cache_strides, req_to_token.stride(0), *mid_strides, o.stride(0), o.stride(1),
-        GROUP=group, HEAD_DIM=d, NUM_SPLITS=s_splits,
+        s_splits, p_splits, GROUP=group, HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=suffix_cfg["BLOCK_N"],
-        DOT_PRECISION=precision, FUSED_MERGE=fused, PREFIX_SPLITS=p_splits, PREFIX_BLOCK_N=pcfg["BLOCK_N"],
+        DOT_PRECISION=precision, FUSED_MERGE=fused, PREFIX_BLOCK_N=pcfg["BLOCK_N"],
         num_warps=suffix_cfg["num_warps"], num_stages=suffix_cfg["num_stages"],
     )
     if fused:
         return
     _merge_kernel[(bsz, hq)](
         mid_o, mid_lse, o, seq_lens, req_suffix_start, req_group, group_prefix_lens,
-        *mid_strides, o.stride(0), o.stride(1),
-        HEAD_DIM=d, SUFFIX_SPLITS=s_splits, PREFIX_SPLITS=p_splits, BLOCK_S=triton.next_power_of_2(total),
+        *mid_strides, o.stride(0), o.stride(1), s_splits, p_splits,
+        HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(total),
         BLOCK_D=block_d, SUFFIX_BLOCK_N=suffix_cfg["BLOCK_N"], PREFIX_BLOCK_N=pcfg["BLOCK_N"],
         num_warps=1 if block_d <= 64 else 2,
     )

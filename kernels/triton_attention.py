@@ -13,11 +13,24 @@ Block sizes, warps, stages and the decode split policy were chosen by the sweeps
 bench/kernel_bench.py on an H100 (bench/results/kernels-h100*.md).
 """
 
+import inspect
+
 import torch
 import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
+
+
+def jit(do_not_specialize=(), unaligned=()):
+    """triton.jit that specialises neither the named ints on their value nor the named pointers on 16-byte alignment.
+    Batch metadata (request rows, lengths, group tables) arrives as slices at offsets that follow the batch's makeup,
+    and each new alignment pattern was a new compiled variant: a compile of a second or more in the middle of serving.
+    Older Triton releases without alignment control just specialise as before."""
+    kwargs = {"do_not_specialize": list(do_not_specialize)} if do_not_specialize else {}
+    if unaligned and "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        kwargs["do_not_specialize_on_alignment"] = list(unaligned)
+    return triton.jit(**kwargs)
 
 
 def _dot_precision(dtype):
@@ -95,7 +108,7 @@ def _online_softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale,
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@jit(unaligned=["Req_pool_indices", "Seq_lens"])
 def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse,
                          qk_scale,
                          stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
@@ -147,7 +160,7 @@ def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
     tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
 
 
-@triton.jit
+@jit(unaligned=["Seq_lens"])
 def _decode_merge_kernel(Mid_o, Mid_lse, O, Seq_lens,
                          stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                          HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -210,7 +223,14 @@ def decode_num_splits(batch, num_kv_heads, max_seq_len, device):
     target = cfg["programs_per_sm"] * _sm_count(device)
     splits = triton.cdiv(target, max(1, batch * num_kv_heads))
     splits = min(splits, triton.cdiv(max(1, max_seq_len), cfg["min_split_tokens"]), cfg["max_splits"])
-    return max(1, splits)
+    return power_of_two_at_most(splits)
+
+
+def power_of_two_at_most(n: int) -> int:
+    """Split counts are compile-time constants of the kernels: rounding them down to a power of two leaves a
+    handful of variants (1, 2, 4, ... 64) instead of one per value, each compiled once. Left free, every new
+    batch-size / context-length pair of an eagerly run batch could mean a compile of a second or more mid-serving."""
+    return 1 << (max(1, int(n)).bit_length() - 1)
 
 
 def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len,

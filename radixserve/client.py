@@ -10,6 +10,12 @@ print(reply.text)
 
 `AsyncClient` has the same methods as coroutines; its streaming methods return async iterators.
 
+Structured replies and tools: `response_format` ({"type": "json_object"}, or {"type": "json_schema", "json_schema":
+{"name": ..., "schema": {...}}}) on chat and completions, `tools` and `tool_choice` on chat. The functions called
+are `reply.tool_calls` (ToolCall: name and parsed JSON arguments; finish_reason "tool_calls"); when streamed, the
+chunks' `tool_call_deltas`, put together by `tool_calls_from_deltas`. Example:
+`client.chat(messages, tools=[get_weather], tool_choice="required").tool_calls[0].arguments["city"]`.
+
 Streaming (`stream=True`) returns a `Stream` of `StreamChunk`s, each with the new text (`.text`, a delta, never
 cumulative). The last chunks carry `finish_reason` and, where the server reports it, `usage`: for the OpenAI routes
 the client asks for `stream_options={"include_usage": True}` unless you pass your own `stream_options`. Leaving a
@@ -26,20 +32,21 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.parse
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import httpx
 
 from radixserve.client_results import (AsyncStream, ChatResult, Choice, CompletionResult, GenerateResult, Model,
                                        NativeChunks, OpenAIChunks, RadixServeConnectionError, RadixServeError,
-                                       RadixServeTimeoutError, Stream, StreamChunk, Usage, decode_event,
+                                       RadixServeTimeoutError, Stream, StreamChunk, ToolCall, Usage, decode_event,
                                        error_from_response, parse_generate_body, parse_openai, sse_data,
-                                       transport_error)
+                                       tool_calls_from_deltas, transport_error)
 
 __all__ = [
     "AsyncClient", "AsyncStream", "ChatResult", "Choice", "Client", "CompletionResult", "GenerateResult",
     "Model", "RadixServeConnectionError", "RadixServeError", "RadixServeTimeoutError", "Stream", "StreamChunk",
-    "Usage",
+    "ToolCall", "Usage", "tool_calls_from_deltas",
 ]
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -65,8 +72,10 @@ class _Base:
 
     # Request bodies -------------------------------------------------------------------------------------
     @staticmethod
-    def _openai_body(key: str, value: Any, model: str | None, stream: bool, params: dict) -> dict:
-        body: dict[str, Any] = {key: value, **params}
+    def _openai_body(key: str, value: Any, model: str | None, stream: bool, params: dict,
+                     **structured: Any) -> dict:
+        """structured: response_format, tools, tool_choice (left out when None)."""
+        body: dict[str, Any] = {key: value, **params, **{k: v for k, v in structured.items() if v is not None}}
         if model is not None:
             body["model"] = model
         if stream:
@@ -84,6 +93,27 @@ class _Base:
             body["stream"] = True
         body.update(extra)
         return body
+
+    @staticmethod
+    def _pin_body(messages, prompt, input_ids, ttl_seconds, cache_salt) -> dict:
+        given = {k: v for k, v in (("messages", messages), ("prompt", prompt), ("input_ids", input_ids))
+                 if v is not None}
+        if len(given) != 1:
+            raise ValueError("pass exactly one of messages, prompt and input_ids")
+        body = dict(given)
+        if ttl_seconds is not None:
+            body["ttl_seconds"] = ttl_seconds
+        if cache_salt is not None:
+            body["cache_salt"] = cache_salt
+        return body
+
+    @staticmethod
+    def _unpin_path(pin_id: str) -> str:
+        return "/v1/cache/pin/" + urllib.parse.quote(pin_id, safe="")
+
+    @staticmethod
+    def _flush_path(drop_pins: bool) -> str:
+        return "/flush_cache?drop_pins=true" if drop_pins else "/flush_cache"
 
     def _url(self, path: str) -> str:
         return self.base_url + path
@@ -163,17 +193,21 @@ class Client(_Base):
 
     # OpenAI routes --------------------------------------------------------------------------------------
     def chat(self, messages: list[dict], model: str | None = None, stream: bool = False, *,
+             response_format: dict | None = None, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
              timeout: float | httpx.Timeout | None = None, **openai_params) -> ChatResult | Stream:
-        """POST /v1/chat/completions. openai_params: max_tokens, temperature, top_p, n, stop, seed, logprobs, ..."""
-        body = self._openai_body("messages", messages, model, stream, openai_params)
+        """POST /v1/chat/completions. openai_params: max_tokens, temperature, top_p, n, stop, seed, logprobs, ...,
+        cache_salt (the tenant's cache namespace: cached prompts are shared only within one salt)."""
+        body = self._openai_body("messages", messages, model, stream, openai_params, response_format=response_format,
+                                 tools=tools, tool_choice=tool_choice)
         if stream:
             return self._stream("/v1/chat/completions", body, OpenAIChunks(chat=True), timeout)
         return parse_openai(self._send("POST", "/v1/chat/completions", body, timeout).json(), chat=True)
 
     def completions(self, prompt: str | list, model: str | None = None, stream: bool = False, *,
-                    timeout: float | httpx.Timeout | None = None, **openai_params) -> CompletionResult | Stream:
+                    response_format: dict | None = None, timeout: float | httpx.Timeout | None = None,
+                    **openai_params) -> CompletionResult | Stream:
         """POST /v1/completions. prompt: a string, a list of strings, token ids or a list of token-id lists."""
-        body = self._openai_body("prompt", prompt, model, stream, openai_params)
+        body = self._openai_body("prompt", prompt, model, stream, openai_params, response_format=response_format)
         if stream:
             return self._stream("/v1/completions", body, OpenAIChunks(chat=False), timeout)
         return parse_openai(self._send("POST", "/v1/completions", body, timeout).json(), chat=False)
@@ -184,7 +218,8 @@ class Client(_Base):
                  timeout: float | httpx.Timeout | None = None,
                  **extra) -> GenerateResult | list[GenerateResult] | Stream:
         """POST /generate. sampling_params uses SGLang's names (max_new_tokens, temperature, top_p, top_k, min_p,
-        stop, stop_token_ids, seed, ignore_eos, ...); extra top-level fields (return_logprob, ...) go as they are.
+        stop, stop_token_ids, seed, ignore_eos, ...); extra top-level fields (return_logprob, cache_salt, ...) go
+        as they are.
         A list of prompts gives a list of results."""
         body = self._generate_body(text, input_ids, sampling_params, stream, extra)
         if stream:
@@ -215,9 +250,28 @@ class Client(_Base):
     def server_info(self) -> dict:
         return self._send("GET", "/server_info").json()
 
-    def flush_cache(self) -> Any:
-        """POST /flush_cache; the server's answer (JSON if it sent JSON, else text)."""
-        return _json_or_text(self._send("POST", "/flush_cache"))
+    def flush_cache(self, drop_pins: bool = False) -> Any:
+        """POST /flush_cache; the server's answer (JSON if it sent JSON, else text). Pinned prefixes stay cached
+        unless drop_pins."""
+        return _json_or_text(self._send("POST", self._flush_path(drop_pins)))
+
+    # Pinned prefixes -------------------------------------------------------------------------------------
+    def pin_prefix(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
+                   input_ids: list[int] | None = None, *, ttl_seconds: float | None = None,
+                   cache_salt: str | None = None, timeout: float | httpx.Timeout | None = None) -> dict:
+        """POST /v1/cache/pin: keep a prefix cached (computed first if it is not) until unpinned or ttl_seconds
+        pass. messages are rendered without the generation prompt. Returns the pin (id, num_tokens, cache_salt,
+        created_at, expires_at, pinned_tokens); a RadixServeError with status 409 past --max-pinned-tokens."""
+        body = self._pin_body(messages, prompt, input_ids, ttl_seconds, cache_salt)
+        return self._send("POST", "/v1/cache/pin", body, timeout).json()
+
+    def list_pins(self) -> list[dict]:
+        """GET /v1/cache/pins: every pin, as pin_prefix returns them."""
+        return self._send("GET", "/v1/cache/pins").json()["data"]
+
+    def unpin(self, pin_id: str) -> dict:
+        """DELETE /v1/cache/pin/{pin_id}; a RadixServeError with status 404 for an unknown (or expired) pin."""
+        return self._send("DELETE", self._unpin_path(pin_id)).json()
 
     def metrics_text(self) -> str:
         """GET /metrics: the Prometheus text exposition."""
@@ -290,17 +344,20 @@ class AsyncClient(_Base):
 
     # OpenAI routes --------------------------------------------------------------------------------------
     async def chat(self, messages: list[dict], model: str | None = None, stream: bool = False, *,
-                   timeout: float | httpx.Timeout | None = None, **openai_params) -> ChatResult | AsyncStream:
-        body = self._openai_body("messages", messages, model, stream, openai_params)
+                   response_format: dict | None = None, tools: list[dict] | None = None,
+                   tool_choice: str | dict | None = None, timeout: float | httpx.Timeout | None = None,
+                   **openai_params) -> ChatResult | AsyncStream:
+        body = self._openai_body("messages", messages, model, stream, openai_params, response_format=response_format,
+                                 tools=tools, tool_choice=tool_choice)
         if stream:
             return await self._stream("/v1/chat/completions", body, OpenAIChunks(chat=True), timeout)
         response = await self._send("POST", "/v1/chat/completions", body, timeout)
         return parse_openai(response.json(), chat=True)
 
     async def completions(self, prompt: str | list, model: str | None = None, stream: bool = False, *,
-                          timeout: float | httpx.Timeout | None = None,
+                          response_format: dict | None = None, timeout: float | httpx.Timeout | None = None,
                           **openai_params) -> CompletionResult | AsyncStream:
-        body = self._openai_body("prompt", prompt, model, stream, openai_params)
+        body = self._openai_body("prompt", prompt, model, stream, openai_params, response_format=response_format)
         if stream:
             return await self._stream("/v1/completions", body, OpenAIChunks(chat=False), timeout)
         response = await self._send("POST", "/v1/completions", body, timeout)
@@ -338,8 +395,20 @@ class AsyncClient(_Base):
     async def server_info(self) -> dict:
         return (await self._send("GET", "/server_info")).json()
 
-    async def flush_cache(self) -> Any:
-        return _json_or_text(await self._send("POST", "/flush_cache"))
+    async def flush_cache(self, drop_pins: bool = False) -> Any:
+        return _json_or_text(await self._send("POST", self._flush_path(drop_pins)))
+
+    async def pin_prefix(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
+                         input_ids: list[int] | None = None, *, ttl_seconds: float | None = None,
+                         cache_salt: str | None = None, timeout: float | httpx.Timeout | None = None) -> dict:
+        body = self._pin_body(messages, prompt, input_ids, ttl_seconds, cache_salt)
+        return (await self._send("POST", "/v1/cache/pin", body, timeout)).json()
+
+    async def list_pins(self) -> list[dict]:
+        return (await self._send("GET", "/v1/cache/pins")).json()["data"]
+
+    async def unpin(self, pin_id: str) -> dict:
+        return (await self._send("DELETE", self._unpin_path(pin_id))).json()
 
     async def metrics_text(self) -> str:
         return (await self._send("GET", "/metrics")).text

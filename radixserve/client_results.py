@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Iterable, Iterator
 
 import httpx
 
@@ -105,12 +105,46 @@ class Usage:
 
 
 @dataclass
+class ToolCall:
+    """A function the assistant called (chat with `tools`): `arguments` is the parsed JSON of `arguments_json`, the
+    text as the server sent it (None if that text is not JSON: a reply cut by max_tokens)."""
+    id: str | None
+    name: str
+    arguments: Any
+    arguments_json: str
+
+    @classmethod
+    def from_openai(cls, call: dict) -> "ToolCall":
+        function = call.get("function") or {}
+        text = function.get("arguments") or ""
+        try:
+            arguments = json.loads(text)
+        except ValueError:
+            arguments = None
+        return cls(call.get("id"), function.get("name") or "", arguments, text)
+
+
+def tool_calls_from_deltas(deltas: Iterable[dict]) -> list[ToolCall]:
+    """Streamed tool-call deltas (StreamChunk.tool_call_deltas of one choice, in order) put together: the first delta
+    of a call carries its id and name, the following ones pieces of its arguments."""
+    calls: dict[int, dict] = {}
+    for delta in deltas:
+        call = calls.setdefault(delta.get("index", 0), {"id": None, "function": {"name": "", "arguments": ""}})
+        call["id"] = delta.get("id") or call["id"]
+        function = delta.get("function") or {}
+        call["function"]["name"] += function.get("name") or ""
+        call["function"]["arguments"] += function.get("arguments") or ""
+    return [ToolCall.from_openai(calls[i]) for i in sorted(calls)]
+
+
+@dataclass
 class Choice:
     index: int
     text: str
-    finish_reason: str | None  # "stop" | "length"
+    finish_reason: str | None  # "stop" | "length" | "tool_calls"
     logprobs: Any = None
     stop_reason: int | str | None = None  # the stop string or token id that matched, when the server says
+    tool_calls: list[ToolCall] = field(default_factory=list)  # chat: the functions the assistant called
 
 
 @dataclass
@@ -127,7 +161,11 @@ class CompletionResult:
 
 @dataclass
 class ChatResult(CompletionResult):
-    """A /v1/chat/completions answer; `text` and `finish_reason` are the first choice's."""
+    """A /v1/chat/completions answer; `text`, `finish_reason` and `tool_calls` are the first choice's."""
+
+    @property
+    def tool_calls(self) -> list[ToolCall]:
+        return self.choices[0].tool_calls if self.choices else []
 
 
 @dataclass
@@ -162,6 +200,7 @@ class StreamChunk:
     role: str | None = None
     logprobs: Any = None
     matched_stop: int | str | None = None
+    tool_call_deltas: list[dict] = field(default_factory=list)  # chat: pieces of tool calls (tool_calls_from_deltas)
     raw: dict = field(default_factory=dict, repr=False)
 
 
@@ -179,9 +218,11 @@ class Model:
 def _parse_choices(body: dict, chat: bool) -> list[Choice]:
     choices = []
     for c in body.get("choices") or []:
-        text = ((c.get("message") or {}).get("content") if chat else c.get("text")) or ""
+        message = c.get("message") or {}
+        text = (message.get("content") if chat else c.get("text")) or ""
+        calls = [ToolCall.from_openai(call) for call in message.get("tool_calls") or []] if chat else []
         choices.append(Choice(c.get("index", 0), text, c.get("finish_reason"), c.get("logprobs"),
-                              c.get("stop_reason")))
+                              c.get("stop_reason"), calls))
     return sorted(choices, key=lambda c: c.index)
 
 
@@ -225,13 +266,15 @@ class OpenAIChunks:
     def __call__(self, data: dict) -> list[StreamChunk]:
         out = []
         for c in data.get("choices") or []:
+            deltas = []
             if self.chat:
                 delta = c.get("delta") or {}
-                text, role = delta.get("content") or "", delta.get("role")
+                text, role, deltas = delta.get("content") or "", delta.get("role"), delta.get("tool_calls") or []
             else:
                 text, role = c.get("text") or "", None
             out.append(StreamChunk(text, c.get("index", 0), c.get("finish_reason"), None, role=role,
-                                   logprobs=c.get("logprobs"), matched_stop=c.get("stop_reason"), raw=data))
+                                   logprobs=c.get("logprobs"), matched_stop=c.get("stop_reason"),
+                                   tool_call_deltas=list(deltas), raw=data))
         usage = Usage.from_openai(data.get("usage"))
         if usage is not None:
             if out:

@@ -56,25 +56,52 @@ class ServerArgs:
                                                "16384 on CPU).")
     mem_fraction_static: float = _flag(0.85, "Fraction of GPU memory for weights + KV cache.")
     max_running_requests: int = _flag(256, "Most requests decoding at once (rows of req_to_token).")
+    hicache_size: float = _flag(0.0, "GB of host memory per tensor-parallel rank for a second KV tier: prefixes "
+                                     "evicted from the device pool are copied there and copied back on a later hit "
+                                     "instead of being computed again (pinned memory on CUDA). 0 turns it off.")
     # Scheduling
     chunked_prefill_size: int | None = _flag(None, "Most new prompt tokens per step (default 8192 on GPU, 512 on CPU; "
                                                    "-1 disables chunking).")
     disable_mixed_batch: bool = _flag(False, "Do not mix prefill chunks with decodes in one forward.")
     disable_overlap_schedule: bool = _flag(False, "Build and send step N+1 only after step N's tokens are back "
                                                   "(serial loop; by default N+1 is built while N runs).")
+    disable_incremental_decode_batch: bool = _flag(False, "Rebuild every decode batch from its requests instead of "
+                                                          "advancing the last one's arrays while the running set "
+                                                          "stays the same (ablation, debugging).")
     disable_radix_cache: bool = _flag(False, "No prefix reuse (ablation).")
     schedule_policy: str = _flag("lpm", "lpm (longest cached prefix first) | fcfs.", choices=["lpm", "fcfs"])
     max_wait_steps: int = _flag(64, "A waiting request older than this many steps goes first (no starvation).")
+    enable_priority_scheduling: bool = _flag(False, "Admit waiting requests by their `priority` field, higher values "
+                                                    "first (SGLang's order), but one waiting more than "
+                                                    "--max-wait-steps steps before any fresher one (the aging bound). "
+                                                    "Without it a non-zero priority is refused with a 400, as vLLM "
+                                                    "does.")
     init_new_token_ratio: float = _flag(0.7, "Initial share of max_new_tokens reserved for decoding at admission.")
     min_new_token_ratio: float = _flag(0.1, "Floor of that share as observed outputs let it shrink.")
     new_token_ratio_decay: float = _flag(0.001, "How much the share shrinks per step without retraction.")
+    # Cache control (pins: scheduler_service/cache_control.py; salts: the requests' cache_salt)
+    radix_eviction_policy: str = _flag("lru", "Which unlocked cached prefixes go first when KV is needed: lru (least "
+                                              "recently used) | lfu (fewest hits) | priority (lowest request "
+                                              "priority, then LRU).", choices=["lru", "lfu", "priority"])
+    pin_prompts: str | None = _flag(None, "JSON-lines file of prompts pinned at start-up, one object a line, as the "
+                                          "body of POST /v1/cache/pin: messages | prompt | input_ids, optional "
+                                          "ttl_seconds and cache_salt.")
+    max_pinned_tokens: int | None = _flag(None, "Most KV tokens that pins may hold (a pin beyond it is a 409). "
+                                                "Default: half the KV pool; 0 turns pinning off.")
+    require_cache_salt: bool = _flag(False, "Refuse (400) generating and pinning requests without a cache_salt, so "
+                                            "that no tenant shares cached KV with another by accident.")
     # Kernels
     kernel_backend: str = _flag("auto", "auto|triton|reference (torch twins, for ablations).",
                                 choices=["auto", "triton", "reference"])
     disable_cuda_graph: bool = _flag(False, "Run decode steps eagerly instead of replaying captured CUDA graphs.")
+    disable_pinned_staging: bool = _flag(False, "Copy each step's index arrays to the GPU from pageable memory (waits "
+                                               "for the stream) instead of through pinned buffers (ablation).")
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph (larger ones run eagerly).")
-    disable_shared_prefix_attention: bool = _flag(False, "Read every decode's whole KV on its own, instead of "
-                                                         "reading a prefix that decodes share once for all (ablation).")
+    # Off by default: on the H100, whole W1 runs with it measured slower than without (0.35x-0.55x, medians; per decode
+    # step in steady state it was faster), with a suspected cause fixed since but not yet re-measured
+    # (bench/results/shared-prefix-e2e-h100.md). It becomes the default once a GPU run shows it faster end to end.
+    enable_shared_prefix_attention: bool = _flag(False, "Decodes that share a cached prefix read its KV once for the "
+                                                        "group instead of once each (shared-prefix decode attention).")
     shared_prefix_min_tokens: int = _flag(512, "Shortest shared prefix for which decodes read it together (the kernel "
                                                "breaks even at about 256 tokens and gains from 512 on an H100).")
     # HTTP
@@ -121,12 +148,18 @@ class ServerArgs:
             check_multi_node_args(self)
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.hicache_size < 0:
+            raise ValueError(f"--hicache-size must be >= 0 (GB; 0 = off), got {self.hicache_size}")
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError(f"--max-total-tokens must be >= 2, got {self.max_total_tokens}")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ValueError("--chunked-prefill-size must be positive or -1 (no chunking)")
+        if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:
+            raise ValueError(f"--max-pinned-tokens must be >= 0, got {self.max_pinned_tokens}")
+        if self.pin_prompts is not None and not Path(self.pin_prompts).is_file():
+            raise ValueError(f"--pin-prompts: no such file {self.pin_prompts}")
         if self.shared_prefix_min_tokens < 1:
             raise ValueError(f"--shared-prefix-min-tokens must be >= 1, got {self.shared_prefix_min_tokens}")
         if self.max_sequences_per_request < 1:

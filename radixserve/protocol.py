@@ -65,6 +65,12 @@ class ForwardBatch(msgspec.Struct, tag=True):
     # (future_token_base + i) % future_token_ring_size(...); a later batch's input id -(index + 1) stands for it.
     future_token_base: int = -1
     prefix_groups: PrefixGroups | None = None  # None: no decode shares a prefix (or the feature is off)
+    # Host KV tier (--hicache-size; radixserve/cache/host_tier.py): int32 slot pairs, run before the forward, saves
+    # first (device slot -> host slot), then loads (host slot -> device slot). Empty when there is nothing to copy.
+    host_save_device_slots: bytes = b""
+    host_save_host_slots: bytes = b""
+    host_load_host_slots: bytes = b""
+    host_load_device_slots: bytes = b""
 
 
 def future_token_ring_size(max_running_requests: int) -> int:
@@ -90,16 +96,26 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: bytes  # float32 [k]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of prompt tokens computed in one step for one request that asked for them (params.prompt_logprobs):
+    logprobs[j] is that of the token at prompt position start + j, given the tokens before it."""
+    index: int  # the request's place in the step's batch
+    start: int
+    logprobs: list[TokenLogprobs]
+
+
 class SampledTokens(msgspec.Struct, tag=True):
     step: int
     token_ids: bytes  # int32, one per request whose sample_mask was 1, in batch order
     logprobs: list[TokenLogprobs | None] = []
+    prompt_logprobs: list[PromptLogprobs] = []
 
 
 class WorkerReady(msgspec.Struct, tag=True):
     rank: int
     num_kv_slots: int
     context_len: int
+    num_host_slots: int = 0  # host KV tier slots on this rank (--hicache-size), 0 when the tier is off
 
 
 WorkerToScheduler = SampledTokens | WorkerReady
@@ -113,6 +129,8 @@ class TokenizedRequest(msgspec.Struct, tag=True):
     input_ids: bytes  # int32 prompt tokens
     params: SamplingParams
     arrival_time: float
+    priority: int = 0  # higher first, with --enable-priority-scheduling (scheduler_service/policy.py)
+    cache_salt: str | None = None  # the tenant's cache namespace: prefixes are shared only within one salt
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -121,13 +139,39 @@ class AbortRequest(msgspec.Struct, tag=True):
 
 class FlushCacheRequest(msgspec.Struct, tag=True):
     request_id: str
+    keep_pins: bool = True  # pinned prefixes survive a flush unless the caller asks to drop them
 
 
 class ServerInfoRequest(msgspec.Struct, tag=True):
     request_id: str
 
 
-TokenizerToScheduler = TokenizedRequest | AbortRequest | FlushCacheRequest | ServerInfoRequest
+class CacheStatsRequest(msgspec.Struct, tag=True):
+    """The dashboard's question (GET /v1/cache/stats): answered with a CacheStats."""
+    request_id: str
+
+
+# Pinned prefixes (scheduler_service/cache_control.py; the routes are tokenizer_service/routes_cache.py).
+
+class PinPrefixRequest(msgspec.Struct, tag=True):
+    """Keep these tokens in the radix tree (computing them first if needed) until unpinned or ttl_seconds pass."""
+    request_id: str
+    input_ids: bytes  # int32
+    cache_salt: str | None = None
+    ttl_seconds: float | None = None
+
+
+class UnpinPrefixRequest(msgspec.Struct, tag=True):
+    request_id: str
+    pin_id: str
+
+
+class ListPinsRequest(msgspec.Struct, tag=True):
+    request_id: str
+
+
+TokenizerToScheduler = (TokenizedRequest | AbortRequest | FlushCacheRequest | ServerInfoRequest | CacheStatsRequest
+                        | PinPrefixRequest | UnpinPrefixRequest | ListPinsRequest)
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
@@ -143,6 +187,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
     completion_tokens: int
     cached_tokens: int
     queue_time: float | None  # seconds from arrival to admission, on the first output only
+    # params.prompt_logprobs: those of prompt positions 1.. (position 0 has none), on the output with the first token
+    prompt_logprobs: list[TokenLogprobs | None] = []
 
 
 class SchedulerLoad(msgspec.Struct, array_like=True):
@@ -176,7 +222,44 @@ class EngineFailed(msgspec.Struct, tag=True):
     reason: str
 
 
-SchedulerToTokenizer = BatchOutput | FlushCacheResult | ServerInfo | EngineFailed
+class CachedPrefix(msgspec.Struct, array_like=True):
+    """One of the largest prefixes in the radix tree (RadixCache.largest_prefixes): the front end decodes
+    first_tokens into the words the dashboard shows."""
+    first_tokens: bytes  # int32, the prefix's first tokens (at most 32)
+    num_tokens: int
+    hits: int  # requests that matched or inserted it
+    last_use: float  # wall clock, time.time()
+    pinned: bool
+    namespace: str | None  # the tenant's cache_salt; None for the shared cache
+
+
+class CacheStats(msgspec.Struct, tag=True):
+    """The scheduler's cache numbers (scheduler_service/cache_stats.py says what each is) and its largest
+    prefixes, for /v1/cache/stats."""
+    request_id: str
+    numbers: dict[str, int | float | str | bool | None]
+    largest_prefixes: list[CachedPrefix] = []
+
+
+class PinEntry(msgspec.Struct, array_like=True):
+    id: str
+    cache_salt: str | None
+    num_tokens: int
+    created_at: float  # wall clock (time.time())
+    expires_at: float | None
+
+
+class PinsReply(msgspec.Struct, tag=True):
+    """The answer to any of the three pin requests. status is an HTTP status: 200, 404 (no such pin), 409 (over
+    --max-pinned-tokens), 400 (a prompt that cannot be pinned). pins: the pin made, the one removed, or all."""
+    request_id: str
+    status: int
+    message: str = ""
+    pins: list[PinEntry] = []
+    pinned_tokens: int = 0  # tokens held by pins after this request, each counted once
+
+
+SchedulerToTokenizer = BatchOutput | FlushCacheResult | ServerInfo | EngineFailed | CacheStats | PinsReply
 
 
 # ---------------------------------------------------------------- every child -> launch.py
@@ -249,4 +332,4 @@ class CacheEvents(msgspec.Struct, tag=True):
     events: list[CacheInserted | CacheEvicted | CacheCleared]
 
 
-ReplicaToController = BatchOutput | FlushCacheResult | ServerInfo | CacheEvents
+ReplicaToController = BatchOutput | FlushCacheResult | ServerInfo | CacheEvents | CacheStats | PinsReply

@@ -72,6 +72,8 @@ class RequestPipeline:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.admitted = False  # the scheduler has started it (sent a token, or anything but an immediate finish)
+        # params.prompt_logprobs: those of prompt positions 1.. (the first has none), set with the first token
+        self.prompt_logprobs: list[TokenLogprobs | None] = []
         self.finished = False
 
     def process(self, out: RequestOutput) -> SequenceOutput:
@@ -81,6 +83,8 @@ class RequestPipeline:
             self.cached_tokens = out.cached_tokens
         token_ids = unpack_i32(out.token_ids).tolist()
         self.completion_tokens += len(token_ids)
+        if out.prompt_logprobs:
+            self.prompt_logprobs = list(out.prompt_logprobs)
         logprobs = [lp for lp in out.logprobs if lp is not None] if self.params.logprobs is not None else []
         output = SequenceOutput(self.index, "", token_ids, logprobs)
         if not out.finished:

@@ -28,6 +28,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: int | None = None  # None: no logprobs; k: the sampled token's logprob plus the top k
+    # Logprobs of the prompt's own tokens (vLLM's name), each with the top k; /v1/completions echo sets it. The whole
+    # prompt is computed for them: a cached prefix has no logits (the scheduler skips the radix match).
+    prompt_logprobs: int | None = None
     # Structured output: at most one grammar spec (radixserve/grammar.py compiles it with xgrammar).
     json_schema: str | None = None  # JSON Schema text
     regex: str | None = None
@@ -76,6 +79,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             bad(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+            bad(f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs}")
         if sum(x is not None for x in (self.json_schema, self.regex, self.ebnf)) > 1:
             bad("at most one of json_schema, regex and ebnf may be given")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:

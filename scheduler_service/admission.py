@@ -37,11 +37,12 @@ class AdmissionMixin:
 
     def _admit(self, budget: int, committed: int, reused: list[ReusedSlots]) -> list[tuple[Req, int]]:
         """Admit waiting requests while their first chunk plus a decode reserve fits in free + evictable slots."""
-        if not self.waiting:
-            return []
+        if not self.waiting or self.row_allocator.num_free == 0:
+            return []  # (no row, no admission: skip ordering the queue, which matches every prompt under LPM)
         ordered = order_waiting_queue(self.waiting, self.tree, self.args, self.step_count)
         # Prompts being computed right now (not yet whole in the tree) that a waiting request could share.
-        admitted_fills = [r.fill_ids() for r in self.running if not r.is_decoding]
+        # (Only a tenant's own prompts: another cache_salt's can never be shared, and waiting on it would leak.)
+        admitted_fills = [(r.cache_salt, r.fill_ids()) for r in self.running if not r.is_decoding]
         # Slots that running requests will still need for their outputs, discounted by the observed ratio.
         reserved = sum(min(r.remaining_new_tokens, self.context_len) for r in self.running) * self.new_token_ratio
         available = self.slot_allocator.num_free + self.tree.evictable_size - committed - reserved
@@ -50,9 +51,15 @@ class AdmissionMixin:
             if budget <= 0 or self.row_allocator.num_free == 0:
                 break
             fill = req.fill_ids()
-            match = self.tree.match_prefix(fill[:-1])
+            # Prompt logprobs (echo) need the logits of every prompt position and a cached prefix has none: such a
+            # request computes its whole prompt (as SGLang matches nothing below a request's logprob_start_len).
+            matchable = 0 if req.prompt_logprobs is not None and not req.output_ids else len(fill) - 1
+            match = self.tree.match_prefix(fill[:matchable], namespace=req.cache_salt, priority=req.priority)
+            if self.host_tier is not None:  # more of the prompt kept in host memory comes back by a copy, not compute
+                match = self.host_tier.load(fill[:matchable], match, req.cache_salt, req.priority, reserve=committed)
             prefix_len = len(match.slots)
-            if self._shares_prefix_with(fill, prefix_len, admitted_fills):
+            if matchable and self._shares_prefix_with(fill, prefix_len,  # (nothing to share without a match)
+                                                      [f for s, f in admitted_fills if s == req.cache_salt]):
                 continue  # wait one step and reuse that request's prefix from the tree instead of recomputing it
             n = min(len(fill) - prefix_len, budget)
             need = n + req.remaining_new_tokens * self.new_token_ratio
@@ -77,7 +84,7 @@ class AdmissionMixin:
             self.waiting.remove(req)
             self.running.append(req)
             admitted.append((req, n))
-            admitted_fills.append(fill)
+            admitted_fills.append((req.cache_salt, fill))
             budget -= n
             committed += n
             available -= need

@@ -17,6 +17,9 @@ from radixserve.process_util import run_child
 from radixserve.protocol import (AbortRequest, BatchOutput, CacheEvents, FlushCacheRequest, FlushCacheResult,
                                  ReplicaToController, SchedulerLoad, ServerInfo, ServerInfoRequest, TokenizedRequest,
                                  TokenizerToScheduler, unpack_i32)
+from radixserve.protocol import ListPinsRequest, PinPrefixRequest, PinsReply, UnpinPrefixRequest
+from radixserve.protocol import CacheStats, CacheStatsRequest
+from scheduler_service.cache_stats import merge_cache_numbers, merge_cache_stats
 from scheduler_service.dp_router import DataParallelRouter
 
 SUMMED = ("num_running", "num_waiting", "kv_total", "kv_free", "kv_evictable", "kv_protected", "kv_owned", "steps",
@@ -71,7 +74,15 @@ class DataParallelController:
             owner = self.router.owner.get(message.rid)
             for i in ([owner] if owner is not None else range(len(self.to_replicas))):
                 self.to_replicas[i].send(message)
-        elif isinstance(message, (FlushCacheRequest, ServerInfoRequest)):
+        elif isinstance(message, PinPrefixRequest):
+            # Each replica has its own tree: a pin would have to be computed and kept in every one of them.
+            self.to_front.send(PinsReply(message.request_id, 400, "pinned prefixes are not supported with "
+                                                                  "--dp-size > 1 (each replica has its own cache)"))
+        elif isinstance(message, ListPinsRequest):
+            self.to_front.send(PinsReply(message.request_id, 200))
+        elif isinstance(message, UnpinPrefixRequest):
+            self.to_front.send(PinsReply(message.request_id, 404, f"no pin with id {message.pin_id!r}"))
+        elif isinstance(message, (FlushCacheRequest, ServerInfoRequest, CacheStatsRequest)):
             self.replies[message.request_id] = {}
             for channel in self.to_replicas:
                 channel.send(message)
@@ -107,7 +118,9 @@ class DataParallelController:
             return
         del self.replies[reply.request_id]
         ordered = [replies[k] for k in range(len(self.to_replicas))]
-        if isinstance(reply, FlushCacheResult):
+        if isinstance(reply, CacheStats):
+            self.to_front.send(merge_cache_stats(reply.request_id, ordered))
+        elif isinstance(reply, FlushCacheResult):
             ok = all(r.success for r in ordered)
             why = "; ".join(f"replica {k}: {r.message}" for k, r in enumerate(ordered) if not r.success)
             self.to_front.send(FlushCacheResult(reply.request_id, ok, why))
@@ -122,6 +135,8 @@ def merge_server_info(infos: list[dict], args: ServerArgs) -> dict:
         if all(isinstance(info.get(key), (int, float)) for info in infos):
             merged[key] = sum(info[key] for info in infos)
     merged["kv_invariant_ok"] = all(info.get("kv_invariant_ok", True) for info in infos)
+    if all("cache_hit_rate" in info for info in infos):
+        merged.update(merge_cache_numbers(infos))  # the cache metrics (scheduler_service/cache_stats.py)
     # A request goes to one replica, any of them: it must fit the smallest pool.
     if all(isinstance(info.get("kv_pool_tokens"), int) for info in infos):
         merged["kv_pool_tokens"] = min(info["kv_pool_tokens"] for info in infos)

@@ -6,7 +6,13 @@ Fairness between requests: that order is then dealt round-robin over request gro
 request, whose rids are f"{request_id}-{index}"): each group's first sequence in the order, then each group's
 second, and so on, groups taken in the order their first sequence appears. A request with 1,000 prompts therefore
 gets one admission slot per round like any other request instead of holding everyone behind it; within a group,
-and between single-sequence requests, the LPM / FCFS / aging order above is unchanged."""
+and between single-sequence requests, the LPM / FCFS / aging order above is unchanged.
+
+Priorities (--enable-priority-scheduling): the requests' `priority` field orders the queue first, higher values
+first (SGLang's convention); the order above only breaks ties, and request groups take turns only among requests of
+equal priority. The aging bound still holds: a request waiting more than --max-wait-steps steps (or retracted) goes
+before every fresher one whatever the priorities, so a stream of high-priority work delays a low-priority request
+by that many steps at most, never forever."""
 
 from __future__ import annotations
 
@@ -20,7 +26,24 @@ LPM_MAX_QUEUE = 128
 
 
 def order_waiting_queue(waiting: deque[Req], tree: RadixCache, args: ServerArgs, step: int) -> list[Req]:
-    return interleave_request_groups(_policy_order(waiting, tree, args, step))
+    ordered = _policy_order(waiting, tree, args, step)
+    if not args.enable_priority_scheduling:
+        return interleave_request_groups(ordered)
+    return [req for level in _priority_levels(ordered, args, step) for req in interleave_request_groups(level)]
+
+
+def _is_aged(req: Req, args: ServerArgs, step: int) -> bool:
+    return step - req.arrival_step > args.max_wait_steps or req.retractions > 0
+
+
+def _priority_levels(ordered: list[Req], args: ServerArgs, step: int) -> list[list[Req]]:
+    """`ordered` split by admission rank: aged requests first (in `ordered`'s order), then one list per priority,
+    highest first, each in `ordered`'s order."""
+    levels: dict[tuple, list[Req]] = {}
+    for req in ordered:
+        key = (0, 0) if _is_aged(req, args, step) else (1, -req.priority)
+        levels.setdefault(key, []).append(req)
+    return [levels[key] for key in sorted(levels)]
 
 
 def request_group(rid: str) -> str:
@@ -48,11 +71,12 @@ def interleave_request_groups(ordered: list[Req]) -> list[Req]:
 def _policy_order(waiting: deque[Req], tree: RadixCache, args: ServerArgs, step: int) -> list[Req]:
     if args.schedule_policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE or tree.disable:
         return list(waiting)
-    aged = [r for r in waiting if step - r.arrival_step > args.max_wait_steps or r.retractions]
+    aged = [r for r in waiting if _is_aged(r, args, step)]
     if len(aged) == len(waiting):
         return aged
     aged_ids = {id(r) for r in aged}
     fresh = [r for r in waiting if id(r) not in aged_ids]
     # sorted() is stable, so requests with equally long cached prefixes keep their arrival order.
-    fresh.sort(key=lambda r: -len(tree.match_prefix(r.fill_ids()[:-1]).slots))
+    fresh.sort(key=lambda r: -len(tree.match_prefix(r.fill_ids()[:-1], namespace=r.cache_salt,
+                                                    record_hit=False).slots))
     return aged + fresh

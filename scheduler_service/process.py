@@ -11,10 +11,13 @@ import zmq
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.heartbeat import progress
 from radixserve.ipc import Channel, Endpoints
-from radixserve.protocol import (AbortRequest, BatchOutput, FlushCacheRequest, FlushCacheResult, SchedulerLoad,
-                                 ServerInfo, ServerInfoRequest, Shutdown, TokenizedRequest, TokenizerToScheduler,
-                                 WorkerReady, WorkerToScheduler, unpack_i32)
+from radixserve.protocol import (AbortRequest, BatchOutput, CacheStatsRequest, FlushCacheRequest, FlushCacheResult,
+                                 SchedulerLoad, ServerInfo, ServerInfoRequest, Shutdown, TokenizedRequest,
+                                 TokenizerToScheduler, WorkerReady, WorkerToScheduler, unpack_i32)
+from radixserve.protocol import ListPinsRequest, PinPrefixRequest, PinsReply, UnpinPrefixRequest
+from scheduler_service.cache_control import CacheControl
 from scheduler_service.cache_events import CacheEventLog
+from scheduler_service.cache_stats import cache_numbers, cache_stats
 from scheduler_service.executor import WorkerProcessesExecutor
 from scheduler_service.request import Req
 from scheduler_service.results import StepOutput
@@ -42,9 +45,11 @@ class SchedulerProcess:
         tokenizer = load_tokenizer(args.tokenizer or model_dir)
         ready = self._wait_for_workers()
         model_config = ModelConfig.from_dir(model_dir)
-        self.scheduler = Scheduler(args, ready.num_kv_slots, ready.context_len, model_config.eos_token_ids, tokenizer)
+        self.scheduler = Scheduler(args, ready.num_kv_slots, ready.context_len, model_config.eos_token_ids, tokenizer,
+                                   num_host_slots=ready.num_host_slots)
         # Overlapped unless --disable-overlap-schedule: step N+1 goes out before step N's tokens are applied.
         self.loop = make_step_loop(self.scheduler, WorkerProcessesExecutor(self.to_workers, self.from_workers))
+        self.cache_control = CacheControl(self.scheduler, args.max_pinned_tokens)  # pinned prefixes
         self.last_invariant_check = 0.0
         self.invariant_ok = True
         # --dp-size > 1: the DP controller mirrors this tree from its insert/evict events.
@@ -67,11 +72,15 @@ class SchedulerProcess:
                 # schedule -> batch to every rank -> (overlapped: the previous step's) tokens -> process_results
                 progress.begin()  # launch.py's watchdog times each step (radixserve/heartbeat.py)
                 outputs = self.loop.step()
+                # Prefixes computed for a pin are pinned here; their requests' outputs are not the front end's.
+                outputs, pin_replies = self.cache_control.take_outputs(outputs)
+                self._send_pin_replies(pin_replies)
                 self._report_cache_events()  # before the outputs: a request's end must not precede its prefix
                 self._send_outputs(outputs)
                 progress.end()
             else:
                 self._check_invariant_at_idle()
+            self.cache_control.expire()  # pins past their TTL
 
     def _receive_requests(self, block: bool) -> None:
         message = self.from_tokenizer.recv(IDLE_POLL_MS) if block else self.from_tokenizer.recv_nowait()
@@ -82,6 +91,8 @@ class SchedulerProcess:
     def _handle(self, message) -> None:
         if isinstance(message, TokenizedRequest):
             req = Req(message.rid, unpack_i32(message.input_ids), message.params, message.arrival_time)
+            req.cache_salt = message.cache_salt
+            req.priority = message.priority
             try:
                 self.scheduler.add_request(req)
             except ValueError as e:
@@ -90,12 +101,16 @@ class SchedulerProcess:
         elif isinstance(message, AbortRequest):
             self.scheduler.abort(message.rid)
         elif isinstance(message, FlushCacheRequest):
-            ok = self.scheduler.flush_cache()
+            ok = self.scheduler.flush_cache(keep_pins=message.keep_pins)
             self._report_cache_events()
             self.to_tokenizer.send(FlushCacheResult(message.request_id, ok,
                                                     "" if ok else "requests are running; flush when idle"))
+        elif isinstance(message, (PinPrefixRequest, UnpinPrefixRequest, ListPinsRequest)):
+            self._send_pin_replies([self.cache_control.handle(message)])
         elif isinstance(message, ServerInfoRequest):
             self.to_tokenizer.send(ServerInfo(message.request_id, self._server_info()))
+        elif isinstance(message, CacheStatsRequest):
+            self.to_tokenizer.send(cache_stats(self.scheduler, message.request_id))
 
     def _server_info(self) -> dict:
         s = self.scheduler
@@ -114,7 +129,13 @@ class SchedulerProcess:
                 "grouped_decodes": s.stats.grouped_decodes,
                 "shared_prefix_tokens_saved": s.stats.shared_prefix_tokens_saved,
                 "tp_size": self.args.tp_size, "chunked_prefill_size": min(s.chunked_prefill_size, 1 << 31),
-                "radix_cache": not self.args.disable_radix_cache, "schedule_policy": self.args.schedule_policy}
+                "radix_cache": not self.args.disable_radix_cache, "schedule_policy": self.args.schedule_policy,
+                **cache_numbers(s)}  # the cache metrics of /metrics (cache_stats.py)
+
+    def _send_pin_replies(self, replies: list[PinsReply | None]) -> None:
+        for reply in replies:
+            if reply is not None:  # None: the prefix is being computed; the reply follows when it is
+                self.to_tokenizer.send(reply)
 
     def _report_cache_events(self) -> None:
         message = self.cache_events.take() if self.cache_events is not None else None

@@ -35,6 +35,13 @@ class Req:
         self.req_pool_idx: int | None = None
         # True until the worker has been told this request's sampling params for its current row.
         self.needs_worker_registration = True
+        # The tenant's namespace in the radix tree: its prefixes are matched and inserted there only (None: shared).
+        self.cache_salt: str | None = None
+        # Admission order under --enable-priority-scheduling: higher first, within the aging bound (policy.py).
+        self.priority = 0
+        # params.prompt_logprobs: per prompt position, its TokenLogprobs once computed (position 0 has none).
+        self.prompt_logprobs: list | None = [None] * len(self.prompt_ids) if params.prompt_logprobs is not None \
+            else None
 
         self.cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
         self.finish_reason: str | None = None

@@ -5,26 +5,35 @@ share them. Part of Scheduler (scheduler.py)."""
 
 from __future__ import annotations
 
+import struct
 import time
 from array import array
-from dataclasses import dataclass, field
+from operator import attrgetter
 
+import msgspec
 import numpy as np
 
 from radixserve.protocol import RequestOutput, ReusedSlots, SampledTokens, unpack_i32
 from scheduler_service.request import Req, ReqStatus
 
+_status = attrgetter("status")
+_INT32 = struct.Struct("=i")
 
-@dataclass(slots=True)
-class StepOutput:
-    """What one step produced for one request."""
+
+class StepOutput(msgspec.Struct, gc=False):
+    """What one step produced for one request. (A msgspec Struct for its speed alone: a step makes one per running
+    request, and this constructs in half the time of a slotted dataclass, untracked by the garbage collector as it
+    can hold no cycle. It never goes on a socket.)"""
     req: Req
     new_token_ids: list[int]
-    new_logprobs: list = field(default_factory=list)
+    new_logprobs: list = []
     finished: bool = False
     num_outputs: int | None = None  # the request's outputs so far (None: all of output_ids; aborts, errors)
+    message: RequestOutput | None = None  # built with the step's results (decode batches); stale once finished
 
     def to_message(self) -> RequestOutput:
+        if self.message is not None and not self.finished:
+            return self.message
         req = self.req
         num_outputs = self.num_outputs
         if num_outputs is None:  # not counting placeholders of steps still in flight (an abort mid-step)
@@ -32,13 +41,23 @@ class StepOutput:
             while num_outputs and req.output_ids[num_outputs - 1] < 0:
                 num_outputs -= 1
         first = num_outputs == len(self.new_token_ids)
+        token_ids = self.new_token_ids
+        # The same int32 bytes as protocol.pack_i32, without a numpy array per request (one token: one struct call).
+        token_bytes = _INT32.pack(token_ids[0]) if len(token_ids) == 1 else array("i", token_ids).tobytes()
+        if first and req.prompt_logprobs and token_ids:
+            return RequestOutput(
+                rid=req.rid, token_ids=token_bytes, logprobs=self.new_logprobs, finished=self.finished,
+                finish_reason=req.finish_reason if self.finished else None, matched_stop=req.matched_stop,
+                error=req.error, prompt_tokens=len(req.prompt_ids), completion_tokens=num_outputs,
+                cached_tokens=req.cached_tokens or 0,
+                queue_time=(req.admitted_time - req.arrival_time) if req.admitted_time else None,
+                prompt_logprobs=req.prompt_logprobs[1:])
+        # Positional, in RequestOutput's field order (fixed: it is array_like on the wire), and a third of the cost
+        # of keywords: the server builds one of these per running request and step.
         return RequestOutput(
-            # array('i') packs the same int32 bytes as protocol.pack_i32, without a numpy array per request.
-            rid=req.rid, token_ids=array("i", self.new_token_ids).tobytes(), logprobs=self.new_logprobs,
-            finished=self.finished, finish_reason=req.finish_reason if self.finished else None,
-            matched_stop=req.matched_stop, error=req.error, prompt_tokens=len(req.prompt_ids),
-            completion_tokens=num_outputs, cached_tokens=req.cached_tokens or 0,
-            queue_time=(req.admitted_time - req.arrival_time) if first and req.admitted_time else None)
+            req.rid, token_bytes, self.new_logprobs, self.finished, req.finish_reason if self.finished else None,
+            req.matched_stop, req.error, len(req.prompt_ids), num_outputs, req.cached_tokens or 0,
+            (req.admitted_time - req.arrival_time) if first and req.admitted_time else None)
 
 
 class ResultsMixin:
@@ -49,8 +68,16 @@ class ResultsMixin:
         output_index (overlapped loop): where each sampled token goes in its request's output_ids, over the
         placeholder put there at launch; a later placeholder (the step in flight now) may follow it. Without it
         (serial loop) each token is appended."""
+        if (scheduled.decodes is not None and not sampled.logprobs and not sampled.prompt_logprobs
+                and list(map(_status, scheduled.reqs)).count(ReqStatus.RUNNING) == len(scheduled.reqs)):
+            return self._apply_decode_tokens(scheduled, sampled, output_index is not None)
         tokens = unpack_i32(sampled.token_ids).tolist()
         logprobs = sampled.logprobs
+        for found in sampled.prompt_logprobs:  # params.prompt_logprobs: kept until the first token's output
+            wanted = scheduled.reqs[found.index].prompt_logprobs
+            if wanted is not None:
+                end = min(len(wanted), found.start + len(found.logprobs))
+                wanted[found.start:end] = found.logprobs[:max(0, end - found.start)]
         sample_index = 0
         now = time.time()
         running = ReqStatus.RUNNING
@@ -91,14 +118,56 @@ class ResultsMixin:
                     or p.stop_token_ids or len(req.prompt_ids) + num_outputs >= self.context_len):
                 reason = self._finish_reason(req, token, num_outputs)
             if reason is not None:
-                # The step in flight may hold this request's next decode: its placeholder goes, and the slot that
-                # decode writes is in kv_len, so it is released below with the rest (once).
-                del req.output_ids[num_outputs:]
-                self.running.remove(req)
-                self._release(req, insert=True)
-                self._finish(req, reason)
+                self._end(req, reason, num_outputs)
                 out.finished = True
             outputs.append(out)
+        if output_index is None:
+            self.decode_batch.sampled(scheduled.decodes, unpack_i32(sampled.token_ids))
+        self._decay_new_token_ratio()
+
+    def _apply_decode_tokens(self, scheduled, sampled: SampledTokens, overlapped: bool) -> None:
+        """process_results for a batch of decodes alone (decode_batch.py) whose requests all still run and that
+        asked for no logprobs: what the loop above does, with the finish rules only for the tokens that could end
+        their request (DecodeBatch.may_finish), and each output's message built here from the run's lists."""
+        decodes, reqs = scheduled.decodes, scheduled.reqs
+        run = decodes.run
+        tokens = unpack_i32(sampled.token_ids)
+        token_list = tokens.tolist()
+        num_outputs = decodes.num_outputs + 1  # each request's outputs with this token
+        counts = num_outputs.tolist()
+        if overlapped:  # over the placeholder put at launch (the place the loop above gets as output_index)
+            for req, n, token in zip(reqs, counts, token_list):
+                req.output_ids[n - 1] = token
+        else:
+            for req, token in zip(reqs, token_list):
+                req.output_ids.append(token)
+            self.decode_batch.sampled(decodes, tokens)
+        # What StepOutput.to_message would build for a request that goes on: not its first output (a decode has
+        # one already), so no queue time and no prompt logprobs; no stop matched and no error while it runs. The
+        # step's outputs share one empty logprobs list (none asked for any; nothing appends to a message's).
+        first = len(self._outputs)
+        no_logprobs = []
+        self._outputs += [
+            StepOutput(req, [token], no_logprobs, False, n, RequestOutput(
+                rid, packed, no_logprobs, False, None, None, None, prompt_tokens, n, cached, None))
+            for req, token, n, packed, rid, prompt_tokens, cached in zip(
+                reqs, token_list, counts, tokens.view("V4").tolist(), run.rids, run.prompt_tokens, run.cached_tokens)]
+        for i in self.decode_batch.may_finish(decodes, tokens, num_outputs).tolist():
+            reason = self._finish_reason(reqs[i], token_list[i], counts[i])
+            if reason is not None:
+                self._end(reqs[i], reason, counts[i])
+                self._outputs[first + i].finished = True  # (to_message builds this one's message again)
+        self._decay_new_token_ratio()
+
+    def _end(self, req: Req, reason: str, num_outputs: int) -> None:
+        """A running request ends with its num_outputs-th output. The step in flight may hold its next decode: that
+        placeholder goes, and the slot the decode writes is in kv_len, so it is released with the rest (once)."""
+        del req.output_ids[num_outputs:]
+        self.running.remove(req)
+        self._release(req, insert=True)
+        self._finish(req, reason)
+
+    def _decay_new_token_ratio(self) -> None:
         if self.new_token_ratio > self.args.min_new_token_ratio:
             self.new_token_ratio = max(self.args.min_new_token_ratio,
                                        self.new_token_ratio - self.args.new_token_ratio_decay)
@@ -106,7 +175,7 @@ class ResultsMixin:
     def cache_prompt_chunks(self, scheduled) -> None:
         """Overlapped loop: insert the prompt chunks of a step just launched, before its results exist. Safe because
         workers run steps in order: whoever reads these slots does so in a later step, after they are written."""
-        if self.tree.disable:
+        if self.tree.disable or scheduled.decodes is not None:  # (decodes alone: no prompt chunk)
             return
         for req, prefill in zip(scheduled.reqs, scheduled.prefills):
             if prefill and req.status is ReqStatus.RUNNING:
@@ -136,8 +205,8 @@ class ResultsMixin:
         if self.tree.disable:
             return
         fill = req.fill_ids()[:req.kv_len]
-        self.tree.insert(fill, req.slots[:req.kv_len])
-        match = self.tree.match_prefix(fill)
+        self.tree.insert(fill, req.slots[:req.kv_len], namespace=req.cache_salt, priority=req.priority)
+        match = self.tree.match_prefix(fill, namespace=req.cache_salt, priority=req.priority, record_hit=False)
         self._relock(req, match.last_node)
         changed = np.flatnonzero(match.slots != req.slots[:req.kv_len])
         if len(changed):

@@ -18,14 +18,17 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
+from radixserve.cache.host_tier import HostTier
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.slot_allocator import ReqPoolAllocator, TokenSlotAllocator
 from radixserve.config import ServerArgs
 from radixserve.protocol import ForwardBatch, PrefixGroups, ReusedSlots, WorkerRequest, pack_i32
 from scheduler_service.admission import AdmissionMixin
+from scheduler_service.decode_batch import DecodeBatch, DecodeStep
 from scheduler_service.memory_pressure import MemoryPressureMixin
 from scheduler_service.prefix_groups import DecodeGrouper, group_tables
 from scheduler_service.request import Req, ReqStatus
@@ -35,6 +38,7 @@ from scheduler_service.stop_strings import StopStringMatcher
 logger = logging.getLogger(__name__)
 
 NO_CHUNKING = 1 << 60
+_kv_len, _tree_len = attrgetter("kv_len"), attrgetter("tree_len")
 
 
 @dataclass
@@ -43,6 +47,7 @@ class ScheduledBatch:
     reqs: list[Req]  # batch order
     samples: list[bool]  # per request: does it get a token this step
     prefills: list[bool]  # per request: did it compute prompt tokens (not a plain decode)
+    decodes: DecodeStep | None = None  # a batch of decodes alone, kept as arrays (decode_batch.py)
 
 
 @dataclass
@@ -55,6 +60,7 @@ class SchedulerStats:
     evicted_tokens: int = 0
     grouped_decodes: int = 0  # decode tokens whose attention read a shared prefix together with others
     shared_prefix_tokens_saved: int = 0  # tokens of KV per layer that grouping kept from being read again
+    incremental_decode_steps: int = 0  # steps built by advancing the last batch of decodes (decode_batch.py)
 
 
 class KVInvariantError(AssertionError):
@@ -63,7 +69,7 @@ class KVInvariantError(AssertionError):
 
 class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
     def __init__(self, args: ServerArgs, num_kv_slots: int, context_len: int, eos_token_ids: list[int],
-                 tokenizer=None):
+                 tokenizer=None, num_host_slots: int = 0):
         """tokenizer: a Hugging Face tokenizer, used only to match stop strings (requests with stop strings are
         refused without one)."""
         self.args = args
@@ -72,7 +78,11 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         self.tokenizer = tokenizer
         self.slot_allocator = TokenSlotAllocator(num_kv_slots)
         self.row_allocator = ReqPoolAllocator(args.max_running_requests)
-        self.tree = RadixCache(self.slot_allocator, disable=args.disable_radix_cache)
+        self.tree = RadixCache(self.slot_allocator, disable=args.disable_radix_cache,
+                               eviction_policy=args.radix_eviction_policy)
+        # The host KV tier (--hicache-size; num_host_slots from the workers): evicted prefixes kept in host memory.
+        self.host_tier = HostTier(self.tree, self.slot_allocator, num_host_slots) \
+            if num_host_slots and not args.disable_radix_cache else None
         # -1 (no chunking) becomes a budget no step reaches; config.py resolves the device default.
         self.chunked_prefill_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else NO_CHUNKING
         self.waiting: deque[Req] = deque()
@@ -86,9 +96,10 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         self._outputs: list[StepOutput] = []
         # Reused-slot ranges decided after a step (chunk insertion), sent with the next batch.
         self._pending_reused_slots: list[tuple[Req, ReusedSlots]] = []
-        self.decode_grouper = None if args.disable_shared_prefix_attention or args.disable_radix_cache else \
+        self.decode_grouper = None if not args.enable_shared_prefix_attention or args.disable_radix_cache else \
             DecodeGrouper(args.shared_prefix_min_tokens)
         self._last_prefix_groups: tuple = (None, 0, None, 0, 0)  # (groups, first decode, message, grouped, saved)
+        self.decode_batch = DecodeBatch(context_len, eos_token_ids, enabled=not args.disable_incremental_decode_batch)
 
     # ------------------------------------------------------------------ public API
     def add_request(self, req: Req) -> None:
@@ -134,16 +145,19 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
             self.check_invariant()
         return outputs
 
-    def flush_cache(self) -> bool:
-        """Drop every cached prefix; only when idle (nothing locked)."""
+    def flush_cache(self, keep_pins: bool = True) -> bool:
+        """Drop every cached prefix but the pinned ones (those too with keep_pins=False); only when idle."""
         if self.running or self.waiting:
             return False
-        self.tree.reset()
+        self.tree.reset(keep_pins=keep_pins)
+        if self.host_tier is not None:
+            self.host_tier.reset()
         return True
 
     # ------------------------------------------------------------------ invariant
     def kv_usage(self) -> dict[str, int]:
-        owned = sum(r.owned_slots for r in self.running)
+        # Every step's load report asks this: two C-level sums instead of a property call per running request.
+        owned = sum(map(_kv_len, self.running)) - sum(map(_tree_len, self.running))  # Req.owned_slots, summed
         return {"total": self.slot_allocator.num_total, "free": self.slot_allocator.num_free,
                 "evictable": self.tree.evictable_size, "protected": self.tree.protected_size, "owned": owned}
 
@@ -153,8 +167,8 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         if u["free"] + u["evictable"] + u["protected"] + u["owned"] != u["total"]:
             raise KVInvariantError(f"KV slot leak: free {u['free']} + evictable {u['evictable']} + protected "
                                    f"{u['protected']} + owned by requests {u['owned']} != total {u['total']}")
-        if not self.running and u["protected"]:
-            raise KVInvariantError(f"{u['protected']} cached tokens still locked with no running request")
+        if not self.running and self.tree.locked_size:  # (pinned tokens are protected too, and rightly so)
+            raise KVInvariantError(f"{self.tree.locked_size} cached tokens still locked with no running request")
         if self.row_allocator.num_free + len(self.running) != self.row_allocator.num_total:
             raise KVInvariantError(f"req_to_token rows leaked: {self.row_allocator.num_free} free + "
                                    f"{len(self.running)} running != {self.row_allocator.num_total}")
@@ -163,6 +177,11 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
                 self.tree.check_invariants()
             except AssertionError as e:
                 raise KVInvariantError(f"radix tree bookkeeping: {e}") from e
+        if self.host_tier is not None:  # host slots are a pool of their own: free + held on host == capacity
+            try:
+                self.host_tier.check_invariant(walk_tree)
+            except AssertionError as e:
+                raise KVInvariantError(f"host KV tier: {e}") from e
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch | None:
@@ -170,6 +189,8 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         self.step_count += 1
         reused = [r for req, r in self._pending_reused_slots if req.status is ReqStatus.RUNNING]
         self._pending_reused_slots = []
+        if not reused and self._decodes_continue():
+            return self._with_host_copies(self._build_decode_step())
         entries: list[tuple[Req, int]] = []  # (request, tokens to compute this step)
         if self.args.disable_mixed_batch:
             # Unmixed: a step is either all prefill or all decode; prefill goes first when there is any.
@@ -180,9 +201,37 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
                 entries = self._prefill_entries(self.chunked_prefill_size, decodes, reused)
             entries += [(r, 1) for r in decodes]
         if not entries:
+            self.decode_batch.clear()
             self._unblock()
             return None
-        return self._build_batch(entries, reused)
+        return self._with_host_copies(self._build_batch(entries, reused))
+
+    def _with_host_copies(self, scheduled: ScheduledBatch) -> ScheduledBatch:
+        if self.host_tier is not None:
+            self.host_tier.attach_copies(scheduled.batch)  # copies queued by this step's evictions and admissions
+        return scheduled
+
+    def _decodes_continue(self) -> bool:
+        """The next step is the last batch of decodes one token on: the same requests running, none of them can
+        need eviction or retraction, and no waiting request can start (no prefill either way)."""
+        return (bool(self.running) and self.decode_batch.continues(self.running)
+                and (not self.waiting or self.row_allocator.num_free == 0)
+                and self.slot_allocator.num_free >= len(self.running))
+
+    def _build_decode_step(self) -> ScheduledBatch:
+        """The general path's batch for this step (_build_batch), built from the last one's arrays."""
+        run = self.decode_batch.run
+        new_slots = self.slot_allocator.alloc(len(run.reqs))
+        prefix_lens, input_ids, decodes = self.decode_batch.advance(new_slots)
+        batch = ForwardBatch(step=self.step_count, req_pool_indices=run.rows, prefix_lens=prefix_lens,
+                             extend_lens=run.ones, input_ids=input_ids, out_cache_loc=new_slots.tobytes(),
+                             sample_mask=run.sample_mask, prefix_groups=run.prefix_groups)
+        self.stats.steps += 1
+        self.stats.incremental_decode_steps += 1
+        self.stats.decode_tokens += len(run.reqs)
+        self.stats.grouped_decodes += run.grouped_decodes
+        self.stats.shared_prefix_tokens_saved += run.shared_prefix_tokens_saved
+        return ScheduledBatch(batch, run.reqs, run.samples, run.prefills, decodes)
 
     def _build_batch(self, entries: list[tuple[Req, int]], reused: list[ReusedSlots]) -> ScheduledBatch:
         total = sum(n for _, n in entries)
@@ -216,17 +265,24 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         if decode_tokens:
             input_ids.append(np.asarray(decode_tokens, dtype=np.int32))
         prefills = [not (n == 1 and r.output_ids) for r, n in entries]
+        prefix_groups = self._prefix_groups(entries, prefills, rows)
         batch = ForwardBatch(
             step=self.step_count,
             req_pool_indices=pack_i32(rows), prefix_lens=pack_i32(prefix_lens), extend_lens=pack_i32(extend_lens),
             input_ids=np.concatenate(input_ids).tobytes(), out_cache_loc=new_slots.tobytes(),
-            sample_mask=bytes(samples), new_requests=new_requests, reused_slots=reused,
-            prefix_groups=self._prefix_groups(entries, prefills, rows))
+            sample_mask=bytes(samples), new_requests=new_requests, reused_slots=reused, prefix_groups=prefix_groups)
         self.stats.steps += 1
         decode_tokens = prefills.count(False)
         self.stats.decode_tokens += decode_tokens
         self.stats.prefill_tokens_computed += total - decode_tokens
-        return ScheduledBatch(batch, [r for r, _ in entries], samples, prefills)
+        reqs = [r for r, _ in entries]
+        decodes = None
+        if decode_tokens == len(entries) and all(samples):  # decodes alone: the next steps may advance them as arrays
+            grouped, saved = self._last_prefix_groups[3:] if prefix_groups is not None else (0, 0)
+            decodes = self.decode_batch.record(reqs, rows, [k + 1 for k in prefix_lens], prefix_groups, grouped, saved)
+        else:
+            self.decode_batch.clear()
+        return ScheduledBatch(batch, reqs, samples, prefills, decodes)
 
     def _prefix_groups(self, entries, prefills: list[bool], rows: list[int]) -> PrefixGroups | None:
         """Which decodes read a shared prefix together this step (prefix_groups.py). Decodes come last in a batch.
@@ -268,7 +324,7 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         if insert and not self.tree.disable:
             # The last sampled token has no KV yet; everything before it does.
             fill = req.fill_ids()[:req.kv_len]
-            self.tree.insert(fill, req.slots[:req.kv_len])
+            self.tree.insert(fill, req.slots[:req.kv_len], namespace=req.cache_salt, priority=req.priority)
         elif insert:
             self.slot_allocator.free(req.slots[:req.kv_len])
         else:

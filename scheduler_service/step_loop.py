@@ -13,6 +13,8 @@ N+1 can share a prompt that step N computes (the workers run steps in order, so 
 
 from __future__ import annotations
 
+import numpy as np
+
 from scheduler_service.executor import Executor
 from scheduler_service.results import StepOutput
 from scheduler_service.scheduler import ScheduledBatch, Scheduler
@@ -83,6 +85,14 @@ class OverlapStepLoop(SerialStepLoop):
         """Append a placeholder output to every request that samples in this step, so that the next schedule()
         sees it as decoding one more token; the batch tells the worker where in the ring to keep the real ones."""
         base = self.next_future
+        scheduled.batch.future_token_base = base
+        if scheduled.decodes is not None:  # decodes alone, as arrays: the same placeholders without a loop
+            n = len(scheduled.reqs)
+            ring = (base + np.arange(n)) % self.ring_size
+            output_index = self.scheduler.decode_batch.placeholders(scheduled.decodes, -1 - ring)
+            if output_index is not None:
+                self.next_future = (base + n) % self.ring_size
+                return output_index
         output_index = []
         i = base
         for req, samples in zip(scheduled.reqs, scheduled.samples):
@@ -91,7 +101,6 @@ class OverlapStepLoop(SerialStepLoop):
                 req.output_ids.append(future_token_placeholder(i))
                 i = i + 1 if i + 1 < self.ring_size else 0
         self.next_future = i
-        scheduled.batch.future_token_base = base
         return output_index
 
     def _room_for_every_running_request(self) -> bool:
@@ -101,6 +110,8 @@ class OverlapStepLoop(SerialStepLoop):
         room = s.slot_allocator.num_free + s.tree.evictable_size
         if room >= len(s.running) + s.chunked_prefill_size:
             return True  # the cheap common case: decodes need one slot each, prefills at most a chunk in all
+        if s.decode_batch.continues(s.running):
+            return room >= len(s.running)  # every running request decodes: one slot each, nothing else can retract
         return room >= sum(r.num_pending for r in s.running)
 
 

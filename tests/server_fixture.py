@@ -101,9 +101,11 @@ class LaunchedServer:
                 raise AssertionError(f"server still busy {timeout_s} s after the test: {info}")
             time.sleep(0.1)
         assert info["kv_invariant_ok"], f"KV invariant broken at idle: {info}"
-        in_use = info["kv_protected"] + info["kv_owned"]
+        # Pinned prefixes (POST /v1/cache/pin) are protected in the tree but held by no request.
+        pinned = info.get("kv_pinned", 0)
+        in_use = info["kv_protected"] - pinned + info["kv_owned"]
         assert in_use == 0, f"{in_use} KV slots still held with no request running: {info}"
-        assert info["kv_free"] + info["kv_evictable"] == info["kv_total"], f"KV slots unaccounted for: {info}"
+        assert info["kv_free"] + info["kv_evictable"] + pinned == info["kv_total"], f"KV slots unaccounted for: {info}"
 
     def stop(self) -> int | None:
         if self in LaunchedServer.live:

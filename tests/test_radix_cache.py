@@ -119,7 +119,7 @@ def test_stale_heap_entries_are_compacted():
     insert_fresh(allocator, cache, [4])
     for _ in range(1000):
         cache.match_prefix([1, 2, 3])
-    assert len(cache._heap) < 100
+    assert len(cache._leaves._heap) < 100
     assert cache.evict(1) == 1  # [4] is the older leaf despite 1000 stale entries for the other
     cache.check_invariants()
 

@@ -100,3 +100,16 @@ def test_logprobs_are_of_the_raw_distribution():
     sampler = Sampler(VOCAB, torch.device("cpu"))
     _, logprobs = sampler(LOGITS.unsqueeze(0), [state(temperature=0.5, logprobs=2)], [0])
     assert torch.allclose(logprobs[0].exp(), PROBS / PROBS.sum(), atol=1e-6)
+
+
+def test_inverse_cdf_draws_match_the_distribution_and_never_a_zero_probability_token(monkeypatch):
+    from radixserve.layers.sampler import _inverse_cdf_sample
+    torch.manual_seed(0)
+    p = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
+    draws = _inverse_cdf_sample(p.repeat(40_000, 1))
+    freq = torch.bincount(draws, minlength=6).float() / len(draws)
+    assert freq[[0, 2, 5]].sum() == 0
+    assert torch.allclose(freq, p, atol=0.01), freq
+    # A draw at the very top of the cumulative sum lands past the last allowed token: the row's best token instead.
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape))
+    assert _inverse_cdf_sample(torch.tensor([[0.25, 0.75, 0.0]])).item() == 1

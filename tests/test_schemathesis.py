@@ -28,7 +28,8 @@ MAX_GENERATED = 2
 # Examples per operation (hypothesis stops earlier on a route with nothing to vary, like GET /health).
 BUDGET = {"POST /v1/completions": 260, "POST /v1/chat/completions": 260, "POST /generate": 260,
           "GET /v1/models/{model}": 250, "GET /v1/models": 5, "GET /health": 5, "GET /server_info": 5,
-          "GET /metrics": 5, "POST /flush_cache": 5}
+          "GET /metrics": 5, "POST /flush_cache": 5,
+          "POST /v1/tokenize": 40, "POST /v1/detokenize": 40, "POST /tokenize": 10, "POST /detokenize": 10}
 MIN_CASES = 1000
 CLIENTS = 32
 CHECKS = [sc.not_a_server_error, sc.status_code_conformance, sc.content_type_conformance,
@@ -72,6 +73,8 @@ def narrow(raw: dict) -> dict:
         if "model" in model["properties"]:
             model["properties"]["model"] = {"type": "string", "enum": [MODEL]}
     schemas["GenerateRequest"].setdefault("required", []).append("sampling_params")
+    for name in ("TokenizeRequest", "DetokenizeRequest"):
+        schemas[name]["properties"]["model"] = {"type": "string", "enum": [MODEL]}
     return raw
 
 

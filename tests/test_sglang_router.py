@@ -142,9 +142,21 @@ def test_two_servers_behind_sglang_router(deployment):
     servers[1].kill()
     servers[1].wait()
 
+    probes = iter(range(1_000_000))
+
     def router_dropped_it():
+        # /get_loads shows a failed load poll (-1) before the health check has taken the worker out of routing, so
+        # that alone is not enough: the router must also serve distinct prompts (which cache-aware routing spreads
+        # over both workers) four times in a row.
         workers = httpx.get(f"{router_url}/get_loads", headers=auth(), timeout=5).json()["workers"]
-        return [w["worker"] for w in workers if w["load"] >= 0] == [urls[0]] or len(workers) == 1
+        if [w["worker"] for w in workers if w["load"] >= 0] != [urls[0]] and len(workers) != 1:
+            return False
+        for _ in range(4):
+            r = httpx.post(f"{router_url}/v1/completions", headers=auth(), timeout=30,
+                           json={"model": model, "prompt": f"probe {next(probes)}", "max_tokens": 1})
+            if r.status_code != 200:
+                return False
+        return True
 
     # Requests sent in the moment between the kill and the health check depend on the router's retry timing,
     # which a loaded machine stretches; what we promise is the state once the check has run.

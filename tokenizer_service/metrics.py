@@ -4,6 +4,10 @@ Latencies are measured here, where the client's clock runs: time to first token 
 the HTTP request was parsed, so they include tokenization and the trip through the scheduler queue. Scheduler-side
 numbers (queue time, running / waiting requests, KV usage) arrive with every BatchOutput and are mirrored here.
 
+The radix cache's numbers (hit rate, pinned tokens, host-tier hits, evictions by policy) are totals the scheduler
+keeps (scheduler_service/cache_stats.py); /metrics refreshes them from /server_info's answer and CacheMetrics exposes
+them as they are, counters included, rather than re-counting them here.
+
 Each server owns its own CollectorRegistry rather than prometheus-client's global one, so that several apps can
 live in one Python process (tests) without "duplicated timeseries" errors.
 """
@@ -11,6 +15,7 @@ live in one Python process (tests) without "duplicated timeseries" errors.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
 
 from radixserve.protocol import SchedulerLoad
@@ -72,6 +77,12 @@ class ServerMetrics:
                                       replica_labels, registry=r)
         self._replica_cached = Gauge(PREFIX + "replica_cached_prompt_tokens", "Prompt tokens one replica served "
                                      "from its radix cache so far.", replica_labels, registry=r)
+        self.cache = CacheMetrics(model_name)
+        r.register(self.cache)
+
+    def update_cache(self, info: dict) -> None:
+        """The scheduler's cache numbers, from a /server_info answer."""
+        self.cache.numbers = dict(info)
 
     def update_replicas(self, info: dict) -> None:
         dp_rank = 0
@@ -95,3 +106,50 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# (metric name, kind, the scheduler's number, help); counters get "_total" appended by prometheus-client.
+CACHE_METRICS = (
+    ("cache_hit_rate", "gauge", "cache_hit_rate",
+     "Share of the prompt tokens the scheduler needed that it found in the radix cache, since start (0..1)."),
+    ("cache_prompt_tokens_cached", "counter", "prompt_tokens_cached", "Prompt tokens served from the radix cache."),
+    ("cache_prompt_tokens_computed", "counter", "prompt_tokens_computed",
+     "Prompt tokens computed by prefill (recomputation after a retraction included)."),
+    ("cache_pinned_tokens", "gauge", "kv_pinned", "KV slots held by pinned prefixes and not locked by a request."),
+    ("cache_pins", "gauge", "num_pins", "Pinned prefixes (POST /v1/cache/pin, --pin-prompts)."),
+    ("kv_slots_pinned", "gauge", "kv_pinned", "KV slots held by pinned prefixes (same as cache_pinned_tokens)."),
+    ("hicache_hits", "counter", "hicache_hits", "Prefix hits served by a copy from the host-memory tier."),
+    ("hicache_loaded_tokens", "counter", "hicache_loaded_tokens", "Tokens of KV copied from host memory back to "
+                                                                  "the KV pool."),
+    ("hicache_saved_tokens", "counter", "hicache_saved_tokens", "Tokens of evicted KV copied to host memory."),
+    ("hicache_tokens", "gauge", "hicache_tokens", "Tokens of KV held in host memory (--hicache-size)."),
+    ("hicache_capacity_tokens", "gauge", "hicache_capacity_tokens", "Tokens of KV the host-memory tier can hold."),
+)
+
+
+class CacheMetrics:
+    """A prometheus-client collector of the scheduler's cache numbers as last reported (nothing before the first
+    report, so a scrape never shows a made-up zero)."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.numbers: dict = {}
+
+    def collect(self):
+        numbers = self.numbers
+        if not numbers:
+            return
+        for name, kind, key, doc in CACHE_METRICS:
+            value = numbers.get(key)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
+        if isinstance(numbers.get("evicted_tokens"), int):
+            # Labelled by the policy in force (--radix-eviction-policy), so runs under different policies compare.
+            evicted = CounterMetricFamily(PREFIX + "cache_evicted_tokens", "Cached tokens evicted from the KV pool, "
+                                          "by eviction policy.", labels=["model_name", "policy"])
+            evicted.add_metric([self.model_name, str(numbers.get("eviction_policy", "lru"))], numbers["evicted_tokens"])
+            yield evicted

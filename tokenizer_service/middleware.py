@@ -19,7 +19,9 @@ from starlette.middleware.cors import CORSMiddleware
 from radixserve.config import ServerArgs
 from tokenizer_service.errors import JSONResponse, error_for_status, send_error
 
-PUBLIC_PATHS = frozenset({"/health"})  # reachable without the API key (load balancers probe it)
+# Reachable without the API key: load balancers probe /health; the dashboard's page and script hold nothing secret
+# (the stats they fetch need the key).
+PUBLIC_PATHS = frozenset({"/health", "/dashboard", "/dashboard/dashboard.js"})
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 

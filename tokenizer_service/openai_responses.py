@@ -9,7 +9,7 @@ because JSON has no infinity.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -32,6 +32,7 @@ def _top(entry: TokenLogprobs) -> list[tuple[int, float]]:
 
 
 def usage_json(usage: Usage) -> dict:
+    """Also each chunk's usage with stream_options.continuous_usage_stats (the tokens of one choice so far)."""
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
@@ -43,33 +44,61 @@ def usage_json(usage: Usage) -> dict:
 # ------------------------------------------------------------------------------------------ completions
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs], token_text: TokenText,
+class Echo(NamedTuple):
+    """/v1/completions with echo: what goes before a choice's completion. logprobs: one per prompt token when the
+    request asked for logprobs, None for the first (nothing predicts it), as OpenAI and vLLM send it."""
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def echo_of(prompt_text: str, prompt_ids: list[int], prompt_logprobs: list[TokenLogprobs | None]) -> Echo:
+    """prompt_logprobs: those of positions 1.. (radixserve.request_pipeline.RequestPipeline.prompt_logprobs)."""
+    entries = [None, *prompt_logprobs][:len(prompt_ids)]
+    return Echo(prompt_text, list(prompt_ids), entries + [None] * (len(prompt_ids) - len(entries)))
+
+
+def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None], token_text: TokenText,
                         text_offset: int = 0) -> dict:
     """The legacy completions `logprobs` object. text_offset: where these tokens start in the completion text
     (non-zero for a stream chunk after the first). top_logprobs holds the top k plus the sampled token, as
-    OpenAI and vLLM do."""
+    OpenAI and vLLM do. An entry None (an echoed prompt's first token) is null in both lists."""
     tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
     offset = text_offset
     for token_id, entry in zip(token_ids, logprobs):
         text = token_text(token_id)
         tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            token_logprobs.append(None)
+            top_logprobs.append(None)
+            continue
         token_logprobs.append(_clamp(entry.logprob))
         top = {token_text(i): _clamp(v) for i, v in _top(entry)}
         top.setdefault(text, _clamp(entry.logprob))
         top_logprobs.append(top)
-        offsets.append(offset)
-        offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
+def echoed_logprobs(echo: Echo | None, token_ids: list[int], logprobs: list[TokenLogprobs], token_text: TokenText,
+                    text_offset: int = 0) -> dict:
+    """completion_logprobs of the completion's tokens, after the echoed prompt's when there is one."""
+    if echo is None:
+        return completion_logprobs(token_ids, logprobs, token_text, text_offset)
+    return completion_logprobs(echo.token_ids + token_ids, echo.logprobs + list(logprobs), token_text, text_offset)
+
+
 def completion_response(request_id: str, created: int, model: str, results: list[SequenceResult], usage: Usage,
-                        token_text: TokenText, want_logprobs: bool) -> dict:
+                        token_text: TokenText, want_logprobs: bool, echoes: dict[int, Echo] | None = None) -> dict:
+    """echoes: by choice index, the prompt that goes before each completion (echo)."""
     choices = []
     for r in results:
+        echo = (echoes or {}).get(r.index)
         choices.append({
             "index": r.index,
-            "text": r.text,
-            "logprobs": completion_logprobs(r.token_ids, r.logprobs, token_text) if want_logprobs else None,
+            "text": r.text if echo is None else echo.text + r.text,
+            "logprobs": echoed_logprobs(echo, r.token_ids, r.logprobs, token_text) if want_logprobs else None,
             "finish_reason": r.finish_reason,
             "stop_reason": r.matched_stop,  # vLLM's extension: the stop string or token id that matched
         })
@@ -79,14 +108,14 @@ def completion_response(request_id: str, created: int, model: str, results: list
 
 def completion_chunk(request_id: str, created: int, model: str, index: int, text: str,
                      finish_reason: str | None, logprobs: dict | None, with_usage_field: bool,
-                     stop_reason: int | str | None = None) -> dict:
+                     stop_reason: int | str | None = None, usage: dict | None = None) -> dict:
     chunk = {
         "id": request_id, "object": "text_completion", "created": created, "model": model,
         "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
                      "stop_reason": stop_reason}],
     }
     if with_usage_field:
-        chunk["usage"] = None  # OpenAI: null on every chunk but the final usage chunk
+        chunk["usage"] = usage  # OpenAI: null on every chunk but the final usage chunk (unless continuous_usage_stats)
     return chunk
 
 
@@ -130,14 +159,15 @@ def chat_response(request_id: str, created: int, model: str, results: list[Seque
 
 
 def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None,
-               logprobs: dict | None, with_usage_field: bool, stop_reason: int | str | None = None) -> dict:
+               logprobs: dict | None, with_usage_field: bool, stop_reason: int | str | None = None,
+               usage: dict | None = None) -> dict:
     chunk = {
         "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
         "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
                      "stop_reason": stop_reason}],
     }
     if with_usage_field:
-        chunk["usage"] = None
+        chunk["usage"] = usage
     return chunk
 
 

@@ -21,9 +21,9 @@ from tokenizer_service.request_errors import (openai_error, openai_error_from_va
                                               validation_error_message, validation_error_param)
 from tokenizer_service.request_fields import (CHAT_TEMPLATE_KWARGS, DEFAULT_COMPLETION_MAX_TOKENS,  # noqa: F401
                                               DEFAULT_NATIVE_MAX_NEW_TOKENS, INT32_MAX, INT64_MAX, INT64_MIN,
-                                              MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, StreamOptions,
+                                              MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, StreamOptions, _check_cache_salt,
                                               _check_logprobs_count, _check_max_tokens, _check_min_tokens,
-                                              _check_prompt, _SamplingFields, _StrictModel)
+                                              _check_priority, _check_prompt, _SamplingFields, _StrictModel)
 from tokenizer_service.structured_fields import (AssistantToolCall, ChatStructuredFields, StructuredOutputFields,
                                                  sampling_fields)
 
@@ -40,11 +40,24 @@ class _OpenAIRequest(_SamplingFields):
     stream_options: StreamOptions | None = None
     min_tokens: int = 0
     user: str | None = None
+    cache_salt: str | None = None  # tenant isolation in the prefix cache (vLLM's field name)
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _cache_salt(cls, value: Any) -> Any:
+        return _check_cache_salt(value)
 
     @field_validator("min_tokens")
     @classmethod
     def _min_tokens(cls, value: int) -> int:
         return _check_min_tokens("min_tokens", value)
+
+    priority: int = 0  # vLLM's and SGLang's extension: admission order with --enable-priority-scheduling
+
+    @field_validator("priority")
+    @classmethod
+    def _priority(cls, value: int) -> int:
+        return _check_priority("priority", value)
 
     @field_validator("stream_options")
     @classmethod
@@ -65,7 +78,7 @@ class CompletionRequest(_OpenAIRequest, StructuredOutputFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
     logprobs: int | None = None  # number of top logprobs per token
-    echo: bool = False
+    echo: bool = False  # the prompt before each completion; with logprobs, the prompt tokens' logprobs too
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -81,13 +94,6 @@ class CompletionRequest(_OpenAIRequest, StructuredOutputFields):
     @classmethod
     def _logprobs(cls, value: int | None) -> int | None:
         return _check_logprobs_count("logprobs", value)
-
-    @field_validator("echo")
-    @classmethod
-    def _echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
 
     @model_validator(mode="after")
     def _min_le_max(self):
@@ -236,6 +242,7 @@ def _stop_list(stop: str | list[str] | None) -> list[str]:
 def to_sampling_fields(req: CompletionRequest | ChatCompletionRequest | GenerateRequest) -> dict:
     """Plain sampling fields of a request, defaults filled in. max_new_tokens None means "up to the
     context length" (the server resolves it); logprobs None means none, k means k top logprobs."""
+    prompt_logprobs = None
     if isinstance(req, GenerateRequest):
         params: _SamplingFields = req.sampling_params
         max_new_tokens = req.sampling_params.max_new_tokens
@@ -251,6 +258,8 @@ def to_sampling_fields(req: CompletionRequest | ChatCompletionRequest | Generate
         max_new_tokens = req.max_tokens
         min_new_tokens = req.min_tokens
         logprobs = req.logprobs
+        if req.echo:
+            prompt_logprobs = logprobs  # echo with logprobs: the prompt's tokens get them too, top k included
     else:
         raise TypeError(f"not a request model: {type(req).__name__}")
 
@@ -275,5 +284,6 @@ def to_sampling_fields(req: CompletionRequest | ChatCompletionRequest | Generate
         "logprobs": logprobs,
         "include_stop_str_in_output": params.include_stop_str_in_output or getattr(params, "no_stop_trim", False),
         "skip_special_tokens": params.skip_special_tokens,
+        **({"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None else {}),  # echo with logprobs
         **sampling_fields(params),  # json_schema / regex / ebnf / logit_bias (structured_fields.py)
     }

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 MAX_N = 16  # choices per request; each one is a sequence in the batch and holds KV
 MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's limit for chat)
 MAX_STOP_STRINGS = 64  # every stop string is checked on every generated token
+MAX_CACHE_SALT_CHARS = 256
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 INT32_MAX = 2**31 - 1
 # chat_template_kwargs a request may set: harmless switches that chat templates read (Qwen3, DeepSeek).
@@ -72,6 +73,18 @@ def _check_prompt(name: str, value: Any, allow_text: bool = True, allow_ids: boo
 
 
 
+def _check_cache_salt(value: Any) -> Any:
+    """cache_salt: the tenant's cache namespace (requests share cached prompts only with the same salt). Any
+    non-empty string; it is compared, never shown, so its length is bounded only to keep messages small."""
+    if value is None:
+        return value
+    if not isinstance(value, str) or not value:
+        raise ValueError("cache_salt must be a non-empty string")
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt may have at most {MAX_CACHE_SALT_CHARS} characters, got {len(value)}")
+    return value
+
+
 def _check_max_tokens(name: str, value: int | None) -> int | None:
     if value is not None and value < 1:
         raise ValueError(f"{name} must be at least 1, got {value}")
@@ -81,6 +94,14 @@ def _check_max_tokens(name: str, value: int | None) -> int | None:
 def _check_min_tokens(name: str, value: int) -> int:
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def _check_priority(name: str, value: int) -> int:
+    # Bounded so that it fits the socket message's integers; the server refuses a non-zero one unless
+    # --enable-priority-scheduling (serving.check_priority).
+    if not -INT32_MAX - 1 <= value <= INT32_MAX:
+        raise ValueError(f"{name} must fit in a signed 32-bit integer, got {value}")
     return value
 
 
@@ -99,6 +120,8 @@ class _StrictModel(BaseModel):
 
 class StreamOptions(_StrictModel):
     include_usage: bool = False
+    # vLLM's extension: with include_usage, every chunk also carries its choice's usage so far.
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(_StrictModel):

@@ -30,6 +30,8 @@ import zmq.asyncio
 
 from radixserve.ipc import AsyncChannel, Endpoints
 from radixserve.protocol import EngineFailed
+from radixserve.protocol import CacheStats, CacheStatsRequest
+from radixserve.protocol import ListPinsRequest, PinPrefixRequest, PinsReply, UnpinPrefixRequest
 from radixserve.protocol import (AbortRequest, BatchOutput, FlushCacheRequest, FlushCacheResult, RequestOutput,
                                  SchedulerLoad, SchedulerToTokenizer, ServerInfo, ServerInfoRequest,
                                  TokenizedRequest, pack_i32)
@@ -194,7 +196,7 @@ class RequestManager:
 
     # ------------------------------------------------------------------ submitting and aborting
     def submit(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]], n: int = 1,
-               arrival: float | None = None) -> RequestGroup:
+               arrival: float | None = None, priority: int = 0, cache_salt: str | None = None) -> RequestGroup:
         """Send n sequences per prompt to the scheduler. With a seed, choice j samples with seed + j so that the
         n choices differ (one seed for all would give n identical samples)."""
         if self._closing:
@@ -229,7 +231,8 @@ class RequestManager:
                 group.add(seq)
         for seq in group.sequences:
             self._sequences[seq.rid] = seq
-            self._to_scheduler.send(TokenizedRequest(seq.rid, pack_i32(seq.prompt_ids), seq.params, wall_arrival))
+            self._to_scheduler.send(TokenizedRequest(seq.rid, pack_i32(seq.prompt_ids), seq.params, wall_arrival,
+                                                     priority=priority, cache_salt=cache_salt))
         self.metrics.num_requests_in_flight.set(self.num_in_flight)
         return group
 
@@ -264,7 +267,7 @@ class RequestManager:
             try:
                 if isinstance(message, BatchOutput):
                     self._on_batch(message)
-                elif isinstance(message, (FlushCacheResult, ServerInfo)):
+                elif isinstance(message, (FlushCacheResult, ServerInfo, CacheStats, PinsReply)):
                     future = self._replies.pop(message.request_id, None)
                     if future is not None and not future.done():
                         future.set_result(message)
@@ -311,12 +314,12 @@ class RequestManager:
             seq.group.deliver(output)
 
     # ------------------------------------------------------------------ control requests
-    async def _ask(self, message_type, timeout: float):
+    async def _ask(self, message_type, timeout: float, **fields):
         request_id = uuid.uuid4().hex
         future = asyncio.get_running_loop().create_future()
         self._replies[request_id] = future
         try:
-            self._to_scheduler.send(message_type(request_id))
+            self._to_scheduler.send(message_type(request_id, **fields))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._replies.pop(request_id, None)
@@ -338,8 +341,24 @@ class RequestManager:
             except asyncio.TimeoutError:
                 continue
 
-    async def flush_cache(self, timeout: float = HEALTH_TIMEOUT_S) -> FlushCacheResult:
-        return await self._ask(FlushCacheRequest, timeout)
+    async def flush_cache(self, timeout: float = HEALTH_TIMEOUT_S, keep_pins: bool = True) -> FlushCacheResult:
+        return await self._ask(FlushCacheRequest, timeout, keep_pins=keep_pins)
+
+    async def pin_prefix(self, input_ids: list[int], cache_salt: str | None, ttl_seconds: float | None,
+                         timeout: float) -> PinsReply:
+        """Pin a prefix (the scheduler computes it first if it is not cached: the reply can take a prefill)."""
+        return await self._ask(PinPrefixRequest, timeout, input_ids=pack_i32(input_ids), cache_salt=cache_salt,
+                               ttl_seconds=ttl_seconds)
+
+    async def unpin_prefix(self, pin_id: str, timeout: float = HEALTH_TIMEOUT_S) -> PinsReply:
+        return await self._ask(UnpinPrefixRequest, timeout, pin_id=pin_id)
+
+    async def list_pins(self, timeout: float = HEALTH_TIMEOUT_S) -> PinsReply:
+        return await self._ask(ListPinsRequest, timeout)
+
+    async def cache_stats(self, timeout: float = HEALTH_TIMEOUT_S) -> CacheStats:
+        """The scheduler's cache numbers and largest prefixes (the dashboard's /v1/cache/stats)."""
+        return await self._ask(CacheStatsRequest, timeout)
 
     async def is_healthy(self) -> bool:
         if self._closing:

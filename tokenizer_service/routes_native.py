@@ -16,6 +16,7 @@ from tokenizer_service.errors import JSONResponse, RequestError, error_for_statu
 from tokenizer_service.metrics import CONTENT_TYPE_LATEST
 from tokenizer_service.openai_schema import GenerateRequest, to_sampling_fields
 from tokenizer_service.openapi_docs import NATIVE_RESPONSES, documented
+from tokenizer_service.routes_cache import drop_pins_param
 from tokenizer_service.routes_router import router_server_fields
 from tokenizer_service.serving import ServingContext, build_prompts, collect, parse_body, submit
 from tokenizer_service.streaming import EventStreamResponse, generate_events
@@ -38,7 +39,8 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
         prompts = await ctx.tokenization.encode_prompts(prompt, param)
         batched = isinstance(prompt, list) and (param == "text" or isinstance(prompt[0], list))
         request_id = uuid.uuid4().hex
-        group = submit(ctx, request_id, build_prompts(ctx, fields, prompts, param), n, arrival)
+        group = submit(ctx, request_id, build_prompts(ctx, fields, prompts, param), n, arrival,
+                       cache_salt=req.cache_salt, priority=req.priority)
         if req.stream:
             return EventStreamResponse(generate_events(group, request_id, arrival, req.return_logprob), group)
         results = await collect(request, group)
@@ -50,9 +52,10 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
         return JSONResponse(out if batched or n > 1 else out[0])
 
     @app.post("/flush_cache", **documented(None, NATIVE_RESPONSES["flush_cache"]))
-    async def flush_cache():
+    async def flush_cache(request: Request):
+        keep_pins = not drop_pins_param(request)  # ?drop_pins=true: pinned prefixes go too (routes_cache.py)
         try:
-            result = await ctx.manager.flush_cache(CONTROL_TIMEOUT_S)
+            result = await ctx.manager.flush_cache(CONTROL_TIMEOUT_S, keep_pins=keep_pins)
         except (TimeoutError, asyncio.TimeoutError):
             raise error_for_status("The scheduler did not answer", 503) from None
         if not result.success:
@@ -90,6 +93,7 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
                     int(info.get("kv_protected", 0)) + int(info.get("kv_owned", 0)), int(info.get("kv_evictable", 0)),
                     int(info["kv_total"])))
                 ctx.metrics.update_replicas(info)  # --dp-size > 1: per-replica gauges
+                ctx.metrics.update_cache(info)  # hit rate, pins, host tier, evictions (scheduler_service/cache_stats.py)
         except (TimeoutError, asyncio.TimeoutError):
             pass  # serve what the last BatchOutput said
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)

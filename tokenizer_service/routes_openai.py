@@ -30,18 +30,35 @@ async def _generate(ctx: ServingContext, request: Request, req: CompletionReques
     prompts = build_prompts(ctx, fields, prompts, "messages" if chat else "prompt")
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    group = submit(ctx, request_id, prompts, n, arrival)
+    echo_texts = _echo_texts(ctx, req, prompts) if not chat and req.echo else None
+    group = submit(ctx, request_id, prompts, n, arrival, cache_salt=req.cache_salt, priority=req.priority)
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = openai_events(OpenAIStream(chat, ctx.token_text, tools), group, request_id, created, ctx.model_name,
-                               want_logprobs, include_usage)
+        options = req.stream_options
+        include_usage = bool(options and options.include_usage)
+        # As vLLM: usage on every chunk only when the final usage chunk is asked for too.
+        continuous_usage = include_usage and options.continuous_usage_stats
+        stream = OpenAIStream(chat, ctx.token_text, tools, echo_texts, continuous_usage)
+        events = openai_events(stream, group, request_id, created, ctx.model_name, want_logprobs, include_usage)
         return EventStreamResponse(events, group)
     results = await collect(request, group)
     if chat:
         return JSONResponse(R.chat_response(request_id, created, ctx.model_name, results, group.usage(),
                                             ctx.token_text, want_logprobs, tools))
+    echoes = None
+    if echo_texts is not None:
+        echoes = {seq.index: R.echo_of(echo_texts[seq.prompt_index], seq.prompt_ids, seq.prompt_logprobs)
+                  for seq in group.sequences}
     return JSONResponse(R.completion_response(request_id, created, ctx.model_name, results, group.usage(),
-                                              ctx.token_text, want_logprobs))
+                                              ctx.token_text, want_logprobs, echoes))
+
+
+def _echo_texts(ctx: ServingContext, req: CompletionRequest, prompts) -> list[str]:
+    """Each prompt as the client sent it, for echo: its text, or the text of its token ids."""
+    if isinstance(req.prompt, str):
+        return [req.prompt]
+    if all(isinstance(p, str) for p in req.prompt):
+        return list(req.prompt)
+    return [ctx.tokenizer.decode(ids, skip_special_tokens=False) for ids, _ in prompts]
 
 
 def add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:

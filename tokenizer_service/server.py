@@ -29,6 +29,7 @@ from tokenizer_service.app import ServingContext, build_app
 from tokenizer_service.http_protocol import protocol_class
 from tokenizer_service.metrics import ServerMetrics
 from tokenizer_service.request_manager import RequestManager
+from tokenizer_service.routes_cache import pin_startup_prompts
 from tokenizer_service.tokenization import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,7 @@ async def _serve(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_read
         loop.add_signal_handler(signum, stop, signum)
 
     manager.start()
+    await pin_startup_prompts(ctx)  # --pin-prompts: pinned before the server listens and reports ready
     serving = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         while not server.started:

@@ -96,9 +96,27 @@ def build_prompts(ctx: ServingContext, fields: dict, prompts: list[list[int]],
     return out
 
 
-def submit(ctx: ServingContext, request_id: str, prompts, n: int, arrival: float) -> RequestGroup:
+def check_cache_salt(ctx: ServingContext, cache_salt: str | None) -> None:
+    """--require-cache-salt: every request names its tenant's cache namespace."""
+    if cache_salt is None and ctx.args.require_cache_salt:
+        raise RequestError("This server requires a cache_salt on every request (--require-cache-salt): the cached "
+                           "prompts of different tenants are kept apart by it.", param="cache_salt")
+
+
+def check_priority(ctx: ServingContext, priority: int) -> None:
+    """A priority means something only with --enable-priority-scheduling; without it a non-zero one is refused
+    rather than silently ignored, as vLLM refuses it."""
+    if priority != 0 and not ctx.args.enable_priority_scheduling:
+        raise RequestError(f"Got priority {priority}, but priority scheduling is not enabled on this server "
+                           "(--enable-priority-scheduling).", param="priority")
+
+
+def submit(ctx: ServingContext, request_id: str, prompts, n: int, arrival: float,
+           cache_salt: str | None = None, priority: int = 0) -> RequestGroup:
+    check_cache_salt(ctx, cache_salt)
+    check_priority(ctx, priority)
     try:
-        return ctx.manager.submit(request_id, prompts, n, arrival)
+        return ctx.manager.submit(request_id, prompts, n, arrival, cache_salt=cache_salt, priority=priority)
     except TooManySequences as e:
         raise RequestError(str(e), param="n") from None
     except EngineOverloaded as e:

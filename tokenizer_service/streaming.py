@@ -18,7 +18,7 @@ from starlette.responses import Response
 
 from tokenizer_service import openai_responses as R
 from tokenizer_service.errors import RequestError, error_for_status
-from tokenizer_service.request_manager import RequestGroup, SequenceOutput
+from tokenizer_service.request_manager import RequestGroup, Sequence, SequenceOutput, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -117,21 +117,33 @@ class OpenAIStream:
     """What differs between a /v1/completions stream and a /v1/chat/completions stream: how one choice's new
     output becomes a chunk, what comes before the first token, and the usage chunk."""
 
-    def __init__(self, chat: bool, token_text: Callable[[int], str], tools=None):
+    def __init__(self, chat: bool, token_text: Callable[[int], str], tools=None,
+                 echo_texts: list[str] | None = None, continuous_usage: bool = False):
+        """echo_texts (completions with echo): each prompt's text, by prompt index, sent before its choices' first
+        tokens; continuous_usage: every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)."""
         self.chat, self.token_text = chat, token_text
         self.tools = tools  # chat: structured_outputs.ChatTools, which turns tool-call text into tool_calls deltas
+        self.echo_texts = echo_texts
+        self.continuous_usage = continuous_usage
         self._text_offsets: dict[int, int] = {}  # completions logprobs: where each choice's next token starts
+        self._echoed: set[int] = set()  # choices whose prompt went out already
+
+    def choice_usage(self, seq: Sequence) -> dict | None:
+        if not self.continuous_usage:
+            return None
+        return R.usage_json(Usage(len(seq.prompt_ids), seq.completion_tokens, seq.cached_tokens))
 
     def preamble(self, request_id, created, model, group: RequestGroup, include_usage: bool) -> list[dict]:
         # Chat sends the role first, before any token, as OpenAI and vLLM do.
         if not self.chat:
             return []
         return [R.chat_chunk(request_id, created, model, seq.index, {"role": "assistant", "content": ""}, None, None,
-                             include_usage) for seq in group.sequences]
+                             include_usage, usage=self.choice_usage(seq)) for seq in group.sequences]
 
-    def chunk(self, request_id, created, model, out: SequenceOutput, want_logprobs: bool,
+    def chunk(self, request_id, created, model, out: SequenceOutput, seq: Sequence, want_logprobs: bool,
               include_usage: bool) -> dict:
         stop_reason = out.matched_stop if out.finished else None
+        usage = self.choice_usage(seq)
         if self.chat:
             logprobs = R.chat_logprobs(out.token_ids, out.logprobs, self.token_text) if want_logprobs else None
             delta = {"content": out.text} if out.text or not out.finished else {}
@@ -139,14 +151,20 @@ class OpenAIStream:
             if self.tools is not None:
                 delta, finish_reason = self.tools.stream_delta(out.index, out.text, out.finished, out.finish_reason)
             return R.chat_chunk(request_id, created, model, out.index, delta, finish_reason, logprobs,
-                                include_usage, stop_reason)
+                                include_usage, stop_reason, usage)
+        echo = None
+        if self.echo_texts is not None and out.index not in self._echoed:
+            # The first chunk of a choice: its prompt logprobs came with its first token, before this chunk.
+            self._echoed.add(out.index)
+            echo = R.echo_of(self.echo_texts[seq.prompt_index], seq.prompt_ids, seq.prompt_logprobs)
         logprobs = None
         if want_logprobs:
             offset = self._text_offsets.get(out.index, 0)
-            logprobs = R.completion_logprobs(out.token_ids, out.logprobs, self.token_text, offset)
+            logprobs = R.echoed_logprobs(echo, out.token_ids, out.logprobs, self.token_text, offset)
             self._text_offsets[out.index] = offset + sum(len(t) for t in logprobs["tokens"])
-        return R.completion_chunk(request_id, created, model, out.index, out.text, out.finish_reason, logprobs,
-                                  include_usage, stop_reason)
+        text = out.text if echo is None else echo.text + out.text
+        return R.completion_chunk(request_id, created, model, out.index, text, out.finish_reason, logprobs,
+                                  include_usage, stop_reason, usage)
 
     def usage_chunk(self, request_id, created, model, group: RequestGroup) -> dict:
         usage_chunk = R.chat_usage_chunk if self.chat else R.completion_usage_chunk
@@ -155,6 +173,7 @@ class OpenAIStream:
 
 async def openai_events(stream: OpenAIStream, group: RequestGroup, request_id: str, created: int, model: str,
                         want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    by_index = {seq.index: seq for seq in group.sequences}
     for chunk in stream.preamble(request_id, created, model, group, include_usage):
         yield sse(chunk)
     async for out in merged_outputs(group):
@@ -163,7 +182,7 @@ async def openai_events(stream: OpenAIStream, group: RequestGroup, request_id: s
             return
         if out.finish_reason == "abort" or not (out.text or out.finished or (want_logprobs and out.token_ids)):
             continue
-        yield sse(stream.chunk(request_id, created, model, out, want_logprobs, include_usage))
+        yield sse(stream.chunk(request_id, created, model, out, by_index[out.index], want_logprobs, include_usage))
     if include_usage:
         yield sse(stream.usage_chunk(request_id, created, model, group))
     yield SSE_DONE

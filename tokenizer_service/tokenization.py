@@ -89,6 +89,21 @@ class Tokenization:
             prompts = [list(p) for p in prompt]
         return prompts
 
+    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        return self._thread_tokenizer().encode(text, add_special_tokens=add_special_tokens)
+
+    async def encode_text(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
+        """One text as token ids (/v1/tokenize), special tokens (BOS) only when asked for."""
+        self.check_chars(len(text), param)
+        return await self._run(self._encode_text, text, add_special_tokens)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._thread_tokenizer().decode(ids)
+
+    async def decode(self, ids: list[int]) -> str:
+        """Token ids as text (/v1/detokenize), special tokens included, as vLLM decodes them."""
+        return await self._run(self._decode, ids)
+
     def _render_chat(self, messages: list[dict], add_generation_prompt: bool, options: dict) -> list[int]:
         tokenizer = self._thread_tokenizer()
         try:

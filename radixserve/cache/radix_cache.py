@@ -3,7 +3,12 @@
 Each edge holds a run of token ids (`key`) and the KV slots computed for them (`value`). A request
 looks up its prompt, reuses the slots of the longest cached prefix, and locks the path so the slots
 cannot be evicted while it runs; when it finishes it inserts prompt + output and unlocks. Eviction
-removes unlocked leaves, least recently used first.
+removes leaves that are neither locked nor pinned, in the order of the eviction policy
+(radixserve/cache/eviction_policy.py).
+
+Namespaces (a tenant's cache_salt) are separate roots: a prefix cached in one is invisible in every
+other, so a tenant cannot learn through timing what another one sent. None is the shared default.
+Pins (an operator's system prompts) hold a path like a lock does, but until unpinned or expired.
 
 Ownership: slots stored in the tree belong to the tree; it gives them back to the allocator on
 eviction, on reset, and when an insert brings duplicates of tokens it already holds.
@@ -13,39 +18,51 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
+from collections import Counter
 from typing import NamedTuple
 
 import numpy as np
 
+from radixserve.cache.eviction_policy import EvictableLeaves
+from radixserve.cache.pins import PinInfo, PinRegistry
 from radixserve.cache.slot_allocator import TokenSlotAllocator
 
 _EMPTY = np.zeros(0, dtype=np.int32)
+PREFIX_PREVIEW_TOKENS = 32  # token ids largest_prefixes returns per prefix, enough to show its first words
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "lock_ref", "last_access", "id")
+    __slots__ = ("key", "value", "children", "parent", "namespace", "lock_ref", "pin_ref", "last_access",
+                 "last_use_time", "hit_count", "priority", "id")
 
     _ids = itertools.count()
 
-    def __init__(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None, last_access: int):
+    def __init__(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None, namespace: str | None):
         self.key = key  # int32 token ids of this edge
         self.value = value  # int32 KV slots, one per token of `key`
         self.children: dict[int, TreeNode] = {}  # keyed by the child's first token
-        self.parent = parent
+        self.parent = parent  # None for a namespace's root (and for a node once evicted)
+        self.namespace = namespace
         self.lock_ref = 0  # running requests whose cached prefix passes through this node
-        self.last_access = last_access
+        self.pin_ref = 0  # pins whose path passes through this node
+        self.last_access = 0  # logical clock of the last match or insert through it (orders "lru")
+        self.last_use_time = 0.0  # the same moment on the wall clock, for people
+        self.hit_count = 0  # matches that ran through it (orders "lfu")
+        self.priority = 0  # highest priority of the requests that inserted or matched it (orders "priority")
         self.id = next(TreeNode._ids)  # heap tie-break; nodes themselves are not orderable
 
     def __len__(self) -> int:
         return len(self.key)
 
     def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, children={len(self.children)})"
+        return (f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, pin_ref={self.pin_ref}, "
+                f"children={len(self.children)})")
 
 
 class MatchResult(NamedTuple):
     slots: np.ndarray  # int32 KV slots of the matched prefix
-    last_node: TreeNode  # the node ending exactly at the match (root when nothing matched)
+    last_node: TreeNode  # the node ending exactly at the match (its namespace's root when nothing matched)
 
 
 def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
@@ -58,54 +75,70 @@ def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
 class RadixCache:
     """Prefix cache keyed by token ids.
 
-    Sizes are token counts: `evictable_size` counts tokens in unlocked nodes (all reclaimable by
-    repeated leaf eviction), `protected_size` those in locked nodes; their sum is everything cached.
-    Unlocked leaves are kept in `_evictable_leaves` plus a min-heap by last_access whose stale
-    entries (node since locked, evicted or touched again) are skipped when popped, so eviction costs
-    O(log n) per node and never walks the tree.
+    Sizes are token counts, each cached token in exactly one of `evictable_size` (neither locked nor
+    pinned: all reclaimable by repeated leaf eviction) and `protected_size` (locked by a running
+    request or pinned); their sum is everything cached. `locked_size` and `pinned_size` count the
+    protected tokens held by locks and by pins (a token held by both is in both).
     """
 
-    def __init__(self, allocator: TokenSlotAllocator, disable: bool = False):
+    def __init__(self, allocator: TokenSlotAllocator, disable: bool = False, eviction_policy: str = "lru"):
         self.allocator = allocator
         self.disable = disable
+        self._leaves = EvictableLeaves(eviction_policy)  # unlocked, unpinned leaves in eviction order
+        self.eviction_policy = eviction_policy
         self._clock = itertools.count(1)
         # Told of every change to what is cached (inserted(tokens), evicted(path, key), cleared()): a data-parallel
         # scheduler reports them so the front end's mirror of this tree stays exact (scheduler_service/cache_events.py).
+        # The mirror routes requests of the shared cache only, so it hears of the default namespace alone.
         self.listener = None
-        self._clear()
-
-    def _clear(self) -> None:
-        self.root = TreeNode(_EMPTY, _EMPTY, None, 0)
-        # The root is never evicted nor counted; a permanent lock keeps it out of every leaf check.
-        self.root.lock_ref = 1
+        # evict_hook(path_tokens, slots, namespace) sees every evicted leaf while its slots still hold its KV
+        # (the host-memory tier copies them out).
+        self.evict_hook = None
+        self.evicted_tokens = 0  # every token ever evicted (not counting reset)
+        self._pins = PinRegistry()
+        self._roots: dict[str | None, TreeNode] = {}
+        self.root = self._root(None)
         self.evictable_size = 0
         self.protected_size = 0
-        self._evictable_leaves: set[TreeNode] = set()
-        self._heap: list[tuple[int, int, TreeNode]] = []
+        self.locked_size = 0
+        self.pinned_size = 0
+
+    def _root(self, namespace: str | None, create: bool = True) -> TreeNode:
+        """The namespace's root; without create, a detached empty one when the namespace holds nothing (so a
+        stream of lookups with new salts leaves nothing behind)."""
+        root = self._roots.get(namespace)
+        if root is None:
+            root = TreeNode(_EMPTY, _EMPTY, None, namespace)
+            root.lock_ref = 1  # never evicted nor counted: a permanent lock keeps it out of every leaf check
+            if create:
+                self._roots[namespace] = root
+        return root
 
     def total_size(self) -> int:
         return self.evictable_size + self.protected_size
 
     # ---------------------------------------------------------------- lookup / insert
 
-    def match_prefix(self, tokens) -> MatchResult:
-        """Longest cached prefix of `tokens` and its slots; touches the path for LRU.
+    def match_prefix(self, tokens, namespace: str | None = None, priority: int = 0, *,
+                     record_hit: bool = True) -> MatchResult:
+        """Longest prefix of `tokens` cached in `namespace` and its slots; touches the path for the eviction policy
+        (record_hit=False for a look that is not a request using the prefix: hit counts stay unchanged).
 
         A node matched only partly is split so that last_node ends exactly at the match and can be
         locked on its own. The scheduler passes prompt[:-1]: at least one prompt token must be
         computed to produce logits for the first output token.
         """
         tokens = np.asarray(tokens, dtype=np.int32)
-        if self.disable or len(tokens) == 0:
+        if self.disable:
             return MatchResult(_EMPTY, self.root)
-        path, _ = self._walk(tokens)
-        node = path[-1] if path else self.root
+        root = self._root(namespace, create=False)
+        path, _ = self._walk(root, tokens, priority, record_hit)
         # Always a fresh array: the caller may write into it; the tree's values must not change.
         slots = np.concatenate([n.value for n in path]) if path else _EMPTY.copy()
-        return MatchResult(slots, node)
+        return MatchResult(slots, path[-1] if path else root)
 
-    def insert(self, tokens, slots) -> int:
-        """Store tokens -> slots; returns how many leading tokens were already cached.
+    def insert(self, tokens, slots, namespace: str | None = None, priority: int = 0) -> int:
+        """Store tokens -> slots in `namespace`; returns how many leading tokens were already cached there.
 
         For that cached range the tree keeps its own slots and frees the caller's where they differ
         (another request computed and inserted the same tokens meanwhile). The caller's slots for
@@ -120,7 +153,8 @@ class RadixCache:
             return 0
         if len(tokens) == 0:
             return 0
-        path, now = self._walk(tokens)
+        root = self._root(namespace)
+        path, now = self._walk(root, tokens, priority, record_hit=False)
         duplicates = []
         pos = 0
         for node in path:
@@ -129,11 +163,16 @@ class RadixCache:
             if differ.any():
                 duplicates.append(ours[differ])
             pos += len(node)
-        node = path[-1] if path else self.root
         already_cached = pos
         if pos < len(tokens):
-            self._add_leaf(node, tokens[pos:].copy(), slots[pos:].copy(), now)
-            if self.listener is not None:
+            parent = path[-1] if path else root
+            leaf = TreeNode(tokens[pos:].copy(), slots[pos:].copy(), parent, namespace)
+            leaf.last_access, leaf.last_use_time, leaf.priority = now, time.time(), priority
+            parent.children[int(leaf.key[0])] = leaf
+            self._leaves.discard(parent)  # no longer a leaf
+            self.evictable_size += len(leaf)
+            self._leaves.add(leaf)
+            if self.listener is not None and namespace is None:
                 self.listener.inserted(tokens)
         if duplicates:
             self.allocator.free(np.concatenate(duplicates))
@@ -143,106 +182,213 @@ class RadixCache:
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Protect node and its ancestors from eviction (one running request's cached prefix)."""
-        while node is not self.root:
-            if node.lock_ref == 0:
-                self.evictable_size -= len(node.key)
-                self.protected_size += len(node.key)
-                self._evictable_leaves.discard(node)
-            node.lock_ref += 1
-            node = node.parent
+        self._add_refs(node, lock=1)
 
     def dec_lock_ref(self, node: TreeNode) -> None:
         """Undo one inc_lock_ref(node)."""
-        if node is not self.root and node.lock_ref <= 0:
+        if node.parent is not None and node.lock_ref <= 0:
             raise ValueError(f"dec_lock_ref on an unlocked node {node!r}")
-        while node is not self.root:
-            node.lock_ref -= 1
-            if node.lock_ref == 0:
-                self.evictable_size += len(node.key)
-                self.protected_size -= len(node.key)
-                if not node.children:
-                    self._mark_evictable(node)
-            node = node.parent
+        self._add_refs(node, lock=-1)
+
+    # ---------------------------------------------------------------- pins
+
+    def pin(self, tokens, namespace: str | None = None, ttl_seconds: float | None = None) -> PinInfo:
+        """Keep the cached path of `tokens` in `namespace` from eviction until unpin(), reset(keep_pins=False) or,
+        with ttl_seconds, expiry. ValueError unless every token is cached."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        if ttl_seconds is not None and not ttl_seconds > 0:
+            raise ValueError(f"ttl_seconds must be > 0, got {ttl_seconds}")
+        if len(tokens) == 0:
+            raise ValueError("nothing to pin: no tokens")
+        if self.disable:
+            raise ValueError("cannot pin: the radix cache is disabled")
+        path, _ = self._walk(self._root(namespace, create=False), tokens, None, record_hit=False)
+        cached = sum(len(n) for n in path)
+        if cached < len(tokens):
+            raise ValueError(f"cannot pin: only {cached} of {len(tokens)} tokens are cached")
+        self._add_refs(path[-1], pin=1)
+        return self._pins.add(path[-1], namespace, len(tokens), ttl_seconds)
+
+    def unpin(self, pin_id: str) -> bool:
+        """Drop a pin; False if there is no such pin (never was, already unpinned or expired)."""
+        node = self._pins.pop(pin_id)
+        if node is None:
+            return False
+        self._add_refs(node, pin=-1)
+        return True
+
+    def list_pins(self) -> list[PinInfo]:
+        """The live pins, oldest first (expired ones are dropped first)."""
+        self.expire_pins()
+        return self._pins.infos()
+
+    def expire_pins(self, now: float | None = None) -> list[str]:
+        """Drop every pin whose TTL has run out by `now` (default: the wall clock); returns their ids."""
+        expired = self._pins.due(time.time() if now is None else now)
+        for pin_id in expired:
+            self.unpin(pin_id)
+        return expired
 
     # ---------------------------------------------------------------- eviction
 
     def evict(self, num_tokens: int) -> int:
-        """Free whole unlocked leaves, oldest last_access first, until at least num_tokens slots are
-        freed or nothing evictable is left. Returns the number of slots freed."""
+        """Free whole evictable leaves, in the policy's order, until at least num_tokens slots are freed
+        or nothing evictable is left. Returns the number of slots freed."""
         if num_tokens <= 0:
             return 0
+        self.expire_pins()  # an expired pin's tokens are fair game under pressure even if nobody polled
         freed = 0
         freed_slots = []
-        while freed < num_tokens and self._evictable_leaves:
-            last_access, _, node = heapq.heappop(self._heap)
-            if node not in self._evictable_leaves or node.last_access != last_access:
-                continue  # stale entry
-            self._evictable_leaves.remove(node)
-            parent = node.parent
-            if self.listener is not None:
-                self.listener.evicted(self._path_tokens(parent), node.key)
-            del parent.children[int(node.key[0])]
-            node.parent = None
-            freed_slots.append(node.value)
-            freed += len(node.key)
-            self.evictable_size -= len(node.key)
-            if not parent.children and parent.lock_ref == 0:
-                self._mark_evictable(parent)
-        if freed_slots:
-            self.allocator.free(np.concatenate(freed_slots))
+        try:
+            while freed < num_tokens:
+                node = self._leaves.pop()
+                if node is None:
+                    break
+                parent = node.parent
+                report = self.listener is not None and node.namespace is None
+                path = self._path_tokens(node) if report or self.evict_hook is not None else None
+                del parent.children[int(node.key[0])]
+                node.parent = None
+                freed_slots.append(node.value)
+                freed += len(node)
+                self.evictable_size -= len(node)
+                if parent.parent is None:
+                    if not parent.children and node.namespace is not None:
+                        del self._roots[node.namespace]  # an idle tenant leaves nothing behind
+                elif not parent.children and not parent.lock_ref and not parent.pin_ref:
+                    self._leaves.add(parent)
+                if report:
+                    self.listener.evicted(path[: len(path) - len(node)], node.key)
+                if self.evict_hook is not None:
+                    self.evict_hook(path, node.value, node.namespace)
+        finally:
+            # Even if a hook raised: the leaves taken out of the tree must not leak their slots.
+            self.evicted_tokens += freed
+            if freed_slots:
+                self.allocator.free(np.concatenate(freed_slots))
         return freed
 
-    def reset(self) -> None:
-        """Free every cached slot and empty the tree (the /flush_cache path). Only when idle."""
-        if self.protected_size:
-            raise RuntimeError(f"reset() while {self.protected_size} cached tokens are locked by running requests")
-        slots = [node.value for node in self._nodes()]
-        self._clear()
+    def reset(self, keep_pins: bool = True) -> None:
+        """Free every cached slot that no pin holds (the /flush_cache path); keep_pins=False drops the pins too.
+        Only when no running request holds a lock."""
+        if self.locked_size:
+            raise RuntimeError(f"reset() while {self.locked_size} cached tokens are locked by running requests")
+        if not keep_pins:
+            self._pins.clear()
+            for node in self._subtree(*self._roots.values()):
+                node.pin_ref = 0
+            self.pinned_size = 0
+        freed = []
+        for root in self._roots.values():
+            stack = [root]
+            while stack:
+                node = stack.pop()
+                for first, child in list(node.children.items()):
+                    if child.pin_ref:
+                        stack.append(child)
+                    else:
+                        del node.children[first]
+                        child.parent = None
+                        freed += [child.value] + [n.value for n in self._subtree(child)]
+        # Everything left is pinned, so nothing is evictable.
+        self._roots = {ns: r for ns, r in self._roots.items() if r.children or ns is None}
+        self.evictable_size = 0
+        self.protected_size = self.pinned_size
+        self._leaves.clear()
         if self.listener is not None:
             self.listener.cleared()
-        if slots:
-            self.allocator.free(np.concatenate(slots))
+            for node in self._subtree(self.root):
+                if not node.children:
+                    self.listener.inserted(self._path_tokens(node))
+        if freed:
+            self.allocator.free(np.concatenate(freed))
+
+    # ---------------------------------------------------------------- dashboard
+
+    def largest_prefixes(self, k: int) -> list[dict]:
+        """The k cached prefixes with the most tokens, across namespaces. A prefix is the path from a root to a
+        node where cached sequences end or part: a leaf, a node with >= 2 children, or the end of a pin. Each:
+        tokens (its first PREFIX_PREVIEW_TOKENS ids), num_tokens, hits and last_use (of its last node: a hit
+        there ran through the whole prefix), pinned, namespace."""
+        pin_ends = {node for _, node in self._pins.entries()}
+        ends = []  # (num_tokens, node id, node)
+        for root in self._roots.values():
+            stack = [(root, 0)]
+            while stack:
+                node, depth = stack.pop()
+                for child in node.children.values():
+                    d = depth + len(child)
+                    if len(child.children) != 1 or child in pin_ends:
+                        ends.append((d, child.id, child))
+                    stack.append((child, d))
+        return [{"tokens": self._path_tokens(node)[:PREFIX_PREVIEW_TOKENS].tolist(), "num_tokens": d,
+                 "hits": node.hit_count, "last_use": node.last_use_time, "pinned": node.pin_ref > 0,
+                 "namespace": node.namespace}
+                for d, _, node in heapq.nlargest(k, ends)]
 
     # ---------------------------------------------------------------- checks
 
     def check_invariants(self) -> None:
         """Walk the whole tree and verify every bookkeeping field (tests and idle-time audits only)."""
-        evictable = protected = 0
-        leaves = set()
-        for node in self._nodes():
+        assert self._roots.get(None) is self.root, "the default namespace lost its root"
+        for ns, root in self._roots.items():
+            assert root.parent is None and root.namespace == ns and root.lock_ref == 1 and root.pin_ref == 0, (
+                f"root of namespace {ns!r} is damaged: {root!r}")
+        pins_through: Counter = Counter()
+        for info, node in self._pins.entries():
+            pin_id = info.id
+            assert info.namespace == node.namespace, f"pin {pin_id} ends in another namespace"
+            depth = 0
+            while node.parent is not None:
+                pins_through[node] += 1
+                depth += len(node)
+                node = node.parent
+            assert node is self._roots.get(info.namespace), f"pin {pin_id} hangs off no root of its namespace"
+            assert depth == info.num_tokens, f"pin {pin_id} covers {depth} tokens, not {info.num_tokens}"
+        evictable = protected = locked = pinned = 0
+        leaves, slots = set(), []
+        for node in self._subtree(*self._roots.values()):
             assert len(node.key) == len(node.value) > 0, f"{node!r}: empty or mismatched key/value"
             assert node.parent.children.get(int(node.key[0])) is node, f"{node!r}: not its parent's child"
+            assert node.namespace == node.parent.namespace, f"{node!r}: in another namespace than its parent"
             assert node.lock_ref >= 0, f"{node!r}: negative lock_ref"
             locked_below = max((c.lock_ref for c in node.children.values()), default=0)
             assert node.lock_ref >= locked_below, f"{node!r}: lock_ref below a child's"
-            if node.lock_ref:
-                protected += len(node.key)
+            assert node.pin_ref == pins_through[node], f"{node!r}: {pins_through[node]} pins pass through it"
+            locked += len(node) if node.lock_ref else 0
+            pinned += len(node) if node.pin_ref else 0
+            if node.lock_ref or node.pin_ref:
+                protected += len(node)
             else:
-                evictable += len(node.key)
+                evictable += len(node)
                 if not node.children:
                     leaves.add(node)
-        assert (evictable, protected) == (self.evictable_size, self.protected_size), (
-            f"sizes drifted: counted evictable={evictable} protected={protected}, "
-            f"kept evictable={self.evictable_size} protected={self.protected_size}"
-        )
-        assert leaves == self._evictable_leaves, "evictable-leaf set out of sync with the tree"
-        in_heap = {node for access, _, node in self._heap if node.last_access == access}
-        assert leaves <= in_heap, "an evictable leaf has no current heap entry"
+            slots.append(node.value)
+        kept = (self.evictable_size, self.protected_size, self.locked_size, self.pinned_size)
+        assert (evictable, protected, locked, pinned) == kept, (
+            f"sizes drifted: counted evictable/protected/locked/pinned={evictable}/{protected}/{locked}/{pinned}, "
+            f"kept {'/'.join(map(str, kept))}")
+        all_slots = np.concatenate(slots) if slots else _EMPTY
+        assert len(np.unique(all_slots)) == len(all_slots), "a KV slot is cached under two tokens"
+        assert leaves == set(self._leaves), "evictable-leaf set out of sync with the tree"
+        self._leaves.check()
 
     # ---------------------------------------------------------------- internals
 
-    def _nodes(self):
-        stack = list(self.root.children.values())
+    def _subtree(self, *tops: TreeNode):
+        """Every node below the given nodes (they themselves excluded)."""
+        stack = [child for top in tops for child in top.children.values()]
         while stack:
             node = stack.pop()
             yield node
             stack.extend(node.children.values())
 
-    def _walk(self, tokens: np.ndarray) -> tuple[list[TreeNode], int]:
-        """The nodes that tokens run through from the root, in order, each wholly matched: a node matched only in
-        part is split first. Every node on the path is touched for LRU. Returns the path and the access time."""
-        now = next(self._clock)
-        node, pos, path = self.root, 0, []
+    def _walk(self, root: TreeNode, tokens: np.ndarray, priority: int | None, record_hit: bool) -> tuple[list, int]:
+        """The nodes that tokens run through from root, in order, each wholly matched: a node matched only in
+        part is split first. Every node on the path is touched for the eviction policy (priority None: a look
+        on no request's behalf, which leaves priorities alone). Returns the path and the access time."""
+        now, wall = next(self._clock), time.time()
+        node, pos, path = root, 0, []
         while pos < len(tokens):
             child = node.children.get(int(tokens[pos]))
             if child is None:
@@ -251,7 +397,11 @@ class RadixCache:
             if matched < len(child.key):
                 child = self._split(child, matched)
             node = child
-            self._touch(node, now)
+            node.last_access, node.last_use_time = now, wall
+            if priority is not None:
+                node.priority = max(node.priority, priority)
+            node.hit_count += record_hit
+            self._leaves.key_changed(node)
             path.append(node)
             # After a partial match the loop ends by itself: the split-off lower part is the only child and
             # starts with the token that mismatched.
@@ -261,17 +411,18 @@ class RadixCache:
     def _path_tokens(self, node: TreeNode) -> np.ndarray:
         """The tokens from the root down to the end of node."""
         keys = []
-        while node is not self.root:
+        while node.parent is not None:
             keys.append(node.key)
             node = node.parent
         return np.concatenate(keys[::-1]) if keys else _EMPTY
 
     def _split(self, node: TreeNode, at: int) -> TreeNode:
         """Cut node after `at` tokens; returns the new upper part. The original object keeps the
-        lower part so that references held by running requests (their locked last_node) still end
-        at the same token. Lock counts and sizes are unchanged: both parts inherit lock_ref."""
-        upper = TreeNode(node.key[:at].copy(), node.value[:at].copy(), node.parent, node.last_access)
-        upper.lock_ref = node.lock_ref
+        lower part so that references held by running requests and pins (their last node) still end
+        at the same token. Counts and sizes are unchanged: both parts inherit every field."""
+        upper = TreeNode(node.key[:at].copy(), node.value[:at].copy(), node.parent, node.namespace)
+        for field in ("lock_ref", "pin_ref", "last_access", "last_use_time", "hit_count", "priority"):
+            setattr(upper, field, getattr(node, field))
         # Copies, not views, so the upper part does not pin the old arrays after the lower is evicted.
         node.key = node.key[at:].copy()
         node.value = node.value[at:].copy()
@@ -280,25 +431,25 @@ class RadixCache:
         node.parent = upper
         return upper
 
-    def _add_leaf(self, parent: TreeNode, key: np.ndarray, value: np.ndarray, now: int) -> None:
-        leaf = TreeNode(key, value, parent, now)
-        parent.children[int(key[0])] = leaf
-        self._evictable_leaves.discard(parent)  # no longer a leaf
-        self.evictable_size += len(key)
-        self._mark_evictable(leaf)
-
-    def _touch(self, node: TreeNode, now: int) -> None:
-        node.last_access = now
-        if node in self._evictable_leaves:
-            self._push(node)  # the old entry is now stale
-
-    def _mark_evictable(self, node: TreeNode) -> None:
-        self._evictable_leaves.add(node)
-        self._push(node)
-
-    def _push(self, node: TreeNode) -> None:
-        heapq.heappush(self._heap, (node.last_access, node.id, node))
-        # Stale entries pile up when hot leaves are touched repeatedly; rebuild once they dominate.
-        if len(self._heap) > 2 * len(self._evictable_leaves) + 64:
-            self._heap = [(n.last_access, n.id, n) for n in self._evictable_leaves]
-            heapq.heapify(self._heap)
+    def _add_refs(self, node: TreeNode, lock: int = 0, pin: int = 0) -> None:
+        """Add lock and pin references to node and each ancestor below its root, moving their tokens between
+        evictable and protected (and in or out of locked/pinned) as a count leaves or reaches zero."""
+        while node.parent is not None:
+            was_locked, was_pinned = node.lock_ref > 0, node.pin_ref > 0
+            node.lock_ref += lock
+            node.pin_ref += pin
+            is_locked, is_pinned = node.lock_ref > 0, node.pin_ref > 0
+            n = len(node)
+            self.locked_size += n * (is_locked - was_locked)
+            self.pinned_size += n * (is_pinned - was_pinned)
+            held, was_held = is_locked or is_pinned, was_locked or was_pinned
+            if held and not was_held:
+                self.evictable_size -= n
+                self.protected_size += n
+                self._leaves.discard(node)
+            elif was_held and not held:
+                self.evictable_size += n
+                self.protected_size -= n
+                if not node.children:
+                    self._leaves.add(node)
+            node = node.parent

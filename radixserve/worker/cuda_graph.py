@@ -36,8 +36,9 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 class DecodeCudaGraphs:
     def __init__(self, model: torch.nn.Module, req_to_token: torch.Tensor, context_len: int, max_bs: int,
-                 grouped: bool = False):
+                 grouped: bool = False, staging=None):
         self.model = model
+        self.staging = staging  # a worker.pinned_staging.PinnedStaging for the group table's copy, if given
         self.req_to_token = req_to_token
         self.context_len = context_len
         self.buckets = batch_size_buckets(max_bs)
@@ -107,7 +108,8 @@ class DecodeCudaGraphs:
 
     def _write_group_table(self, groups: PrefixGroups, bs: int) -> None:
         flat, _, _ = pack_decode_groups(groups, 0, max_groups(bs), bs)
-        self.group_table[:len(flat)].copy_(torch.from_numpy(flat), non_blocking=True)
+        source = self.staging.to_device(flat) if self.staging is not None else torch.from_numpy(flat)
+        self.group_table[:len(flat)].copy_(source, non_blocking=True)
 
     def replay(self, input_ids, positions, req_pool_indices, seq_lens, out_cache_loc,
                prefix_groups: PrefixGroups | None = None) -> torch.Tensor:

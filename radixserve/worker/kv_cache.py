@@ -83,3 +83,67 @@ class KVCache:
         """How many usable slots fit in budget_bytes, counting the padding row."""
         per_slot = KVCache.bytes_per_slot(num_layers, num_kv_heads, head_dim, dtype)
         return max(0, budget_bytes // per_slot - 1)
+
+
+class HostKVCache:
+    """The host-memory KV tier's buffer on this rank (--hicache-size; radixserve/cache/host_tier.py decides every
+    slot): [num_slots + 1, num_layers, 2, num_kv_heads, head_dim], one row per token with K and V of every layer
+    side by side, so a run of consecutive host slots is one contiguous copy. Pinned on CUDA, so copies are
+    asynchronous DMA ordered on the device stream with the forward; on the CPU it is a second ordinary buffer and
+    the same code runs (CI tests this path).
+
+    The scheduler frees and reuses slots at once, so both directions stay on the current stream: every copy is
+    ordered with the forwards before and after it, and none of them makes the host wait."""
+
+    # Tokens moved per staging chunk: bounds the device memory a large copy borrows beside the KV pool.
+    CHUNK_TOKENS = 1024
+
+    def __init__(self, device_cache: KVCache, num_slots: int):
+        c = device_cache
+        self.device_cache = c
+        self.num_slots = num_slots
+        pin = torch.device(c.k_buffers[0].device).type == "cuda"
+        self.buffer = torch.zeros((num_slots + 1, c.num_layers, 2, c.num_kv_heads, c.head_dim), dtype=c.dtype,
+                                  pin_memory=pin)
+
+    @staticmethod
+    def num_slots_for_gb(gb: float, device_cache: KVCache) -> int:
+        c = device_cache
+        return KVCache.num_slots_for_budget(int(gb * 1e9), c.num_layers, c.num_kv_heads, c.head_dim, c.dtype)
+
+    def save(self, device_slots: np.ndarray, host_slots: np.ndarray) -> None:
+        """buffer[host_slots[i]] = KV of device slot device_slots[i], every layer."""
+        c = self.device_cache
+        for lo in range(0, len(host_slots), self.CHUNK_TOKENS):
+            src = device_slots[lo:lo + self.CHUNK_TOKENS]
+            index = torch.from_numpy(src.astype(np.int64)).to(c.k_buffers[0].device, non_blocking=True)
+            staged = torch.stack([torch.stack([c.k_buffers[layer][index], c.v_buffers[layer][index]], dim=1)
+                                  for layer in range(c.num_layers)], dim=1)
+            for start, end, offset in _runs(host_slots[lo:lo + self.CHUNK_TOKENS]):
+                self.buffer[start:end].copy_(staged[offset:offset + end - start], non_blocking=True)
+
+    def load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> None:
+        """KV of device slot device_slots[i], every layer = buffer[host_slots[i]]."""
+        c = self.device_cache
+        device = c.k_buffers[0].device
+        for lo in range(0, len(host_slots), self.CHUNK_TOKENS):
+            src = host_slots[lo:lo + self.CHUNK_TOKENS]
+            staged = torch.empty((len(src), *self.buffer.shape[1:]), dtype=c.dtype, device=device)
+            for start, end, offset in _runs(src):
+                staged[offset:offset + end - start].copy_(self.buffer[start:end], non_blocking=True)
+            index = torch.from_numpy(device_slots[lo:lo + self.CHUNK_TOKENS].astype(np.int64)).to(
+                device, non_blocking=True)
+            for layer in range(c.num_layers):
+                c.k_buffers[layer].index_copy_(0, index, staged[:, layer, 0])
+                c.v_buffers[layer].index_copy_(0, index, staged[:, layer, 1])
+
+
+def _runs(slots: np.ndarray):
+    """(start, end, offset) for each maximal run of consecutive slot numbers in `slots`: slots[offset:offset +
+    end - start] == start..end-1. Host slots come from a free stack and are mostly handed out in long runs."""
+    if len(slots) == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(slots) != 1) + 1
+    offsets = np.concatenate([[0], breaks])
+    ends = np.concatenate([breaks, [len(slots)]])
+    return [(int(slots[o]), int(slots[o]) + int(e - o), int(o)) for o, e in zip(offsets, ends)]

@@ -7,14 +7,14 @@ scheduler decides slots but holds no table (ReqToTokenPool says why)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 import kernels
-from radixserve.worker.kv_cache import KVCache, ReqToTokenPool
+from radixserve.worker.kv_cache import HostKVCache, KVCache, ReqToTokenPool
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.distributed import get_tp_rank, get_tp_size
 from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
@@ -23,6 +23,8 @@ from radixserve.layers.sampler import Sampler, SamplingRequestState
 from radixserve.loader import load_dummy, load_safetensors
 from radixserve.models.registry import model_class
 from radixserve.worker.cuda_graph import DecodeCudaGraphs
+from radixserve.worker.pinned_staging import PinnedStaging
+from radixserve.worker.prompt_logprobs import prompt_logprobs
 from radixserve.protocol import (ForwardBatch, SampledTokens, TokenLogprobs, WorkerRequest, future_token_ring_size,
                                  unpack_i32)
 
@@ -45,6 +47,7 @@ class SampledStep:
     logprobs: torch.Tensor | None
     states: list[SamplingRequestState]
     done: "torch.cuda.Event | None" = None  # recorded after sampling (GPU): query() tells whether the tokens exist
+    prompt_logprobs: list = field(default_factory=list)  # PromptLogprobs computed by this step's forward
 
     def ready(self) -> bool:
         return self.done is None or self.done.query()
@@ -68,6 +71,12 @@ class ModelRunner:
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache.k_cache(i)
             layer.self_attn.attn.v_cache = self.kv_cache.v_cache(i)
+        self.num_host_slots, self.host_kv_cache = 0, None  # the host KV tier (--hicache-size)
+        if server_args.hicache_size > 0 and not server_args.disable_radix_cache:  # nothing to keep without a cache
+            self.num_host_slots = HostKVCache.num_slots_for_gb(server_args.hicache_size, self.kv_cache)
+            if self.num_host_slots < 1:
+                raise ValueError(f"--hicache-size {server_args.hicache_size} GB holds no token of KV")
+            self.host_kv_cache = HostKVCache(self.kv_cache, self.num_host_slots)
         self.req_to_token_pool = ReqToTokenPool(server_args.max_running_requests, self.context_len, self.device)
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self.request_states: dict[int, SamplingRequestState] = {}  # by req_pool_idx
@@ -76,11 +85,14 @@ class ModelRunner:
         # Overlapped scheduling: sampled tokens stay here for the next batch, whose placeholder ids refer to them.
         self.future_tokens = torch.zeros(future_token_ring_size(server_args.max_running_requests), dtype=torch.int64,
                                          device=self.device)
+        self._prompt_logprobs: dict[int, list] = {}  # by step: computed in compute_logits, sent by finish_step
+        self.staging = PinnedStaging(self.device, enabled=not server_args.disable_pinned_staging)
         self.cuda_graphs = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
             self.cuda_graphs = DecodeCudaGraphs(self.model, self.req_to_token_pool.table, self.context_len,
                                                 min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
-                                                grouped=not server_args.disable_shared_prefix_attention)
+                                                grouped=server_args.enable_shared_prefix_attention,
+                                                staging=self.staging)
 
     # ------------------------------------------------------------------ setup
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
@@ -141,9 +153,16 @@ class ModelRunner:
 
     def _to_device(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
         """Several small host arrays in one host-to-device copy (each copy costs a launch and a sync point)."""
-        sizes = [len(a) for a in arrays]
-        packed = torch.from_numpy(np.concatenate(arrays).astype(dtype, copy=False)).to(self.device, non_blocking=True)
-        return list(packed.split(sizes))
+        # Every part starts 16-byte aligned: Triton compiles a kernel variant per alignment of each pointer argument,
+        # and parts at offsets that follow the batch size made new variants (and a compile mid-serving) appear as the
+        # batch size changed.
+        per_16_bytes = 16 // np.dtype(dtype).itemsize
+        padded = [-(-len(a) // per_16_bytes) * per_16_bytes for a in arrays]
+        flat = np.zeros(sum(padded), dtype=dtype)
+        for start, a in zip(np.cumsum([0] + padded[:-1]), arrays):
+            flat[start:start + len(a)] = a
+        packed = self.staging.to_device(flat)
+        return [part[:len(a)] for part, a in zip(packed.split(padded), arrays)]
 
     def _req_to_token_writes(self, batch: ForwardBatch, rows, prefix_lens, extend_lens, new_slots):
         """Every req_to_token assignment the batch implies, as (flat index, slot) arrays: the new tokens' slots at
@@ -164,13 +183,15 @@ class ModelRunner:
             return None
         flat, max_prefix_len, max_group_size = pack_decode_groups(batch.prefix_groups, num_extend)
         num_groups = len(unpack_i32(batch.prefix_groups.prefix_lens))
-        return DecodeGroups.view(torch.from_numpy(flat).to(self.device, non_blocking=True), num_groups,
+        return DecodeGroups.view(self.staging.to_device(flat), num_groups,
                                  len(unpack_i32(batch.req_pool_indices)) - num_extend, max_prefix_len,
                                  max_group_size)
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
         """Run the model on the batch; logits of each request's last token ([B, V]), or of every token."""
+        if batch.host_save_host_slots or batch.host_load_host_slots:
+            self._copy_host_tier(batch)
         for req in batch.new_requests:
             self._register(req)
         rows, prefix_lens = unpack_i32(batch.req_pool_indices), unpack_i32(batch.prefix_lens)
@@ -193,8 +214,10 @@ class ModelRunner:
         self.req_to_token_pool.write(table_index_t, table_slots_t)
         out_cache_loc = table_slots_t[:len(new_slots)]
 
-        # Decodes come last in a batch; find where that tail starts.
-        not_decode = np.flatnonzero((extend_lens != 1) | (prefix_lens == 0))
+        # Decodes come last in a batch; find where that tail starts. One new token over a cached context is a decode
+        # for the kernels whatever the context's length, a 1-token prompt (context 0) included: such a batch
+        # replays a decode graph instead of launching the extend path's kernels one by one.
+        not_decode = np.flatnonzero(extend_lens != 1)
         num_extend = int(not_decode[-1]) + 1 if len(not_decode) else 0
         if num_extend == 0 and not all_positions and self.cuda_graphs is not None and self.cuda_graphs.fits(len(rows)):
             return self.cuda_graphs.replay(input_ids, positions_t, rows_t, seq_lens_t, out_cache_loc,
@@ -219,8 +242,27 @@ class ModelRunner:
         finally:
             set_forward_context(None)
         if not all_positions:
+            self._compute_prompt_logprobs(batch, hidden, rows, prefix_lens, extend_lens, extend_start, num_extend)
             hidden = hidden[last_index_t]
         return self.model.compute_logits(hidden)
+
+    def _compute_prompt_logprobs(self, batch, hidden, rows, prefix_lens, extend_lens, extend_start, num_extend):
+        states = [self.request_states.get(int(r)) for r in rows[:num_extend]]
+        if not any(s is not None and s.params.prompt_logprobs is not None for s in states):
+            return
+        sample_mask = np.frombuffer(batch.sample_mask, dtype=np.uint8)
+        found = prompt_logprobs(self.model, hidden, unpack_i32(batch.input_ids), states, prefix_lens, extend_lens,
+                                extend_start, sample_mask)
+        if found:
+            self._prompt_logprobs[batch.step] = found
+
+    def _copy_host_tier(self, batch: ForwardBatch) -> None:
+        """The batch's host-tier copies, before its forward and on the same stream: saves, then loads (why this order
+        is safe: radixserve/cache/host_tier.py). Each rank copies its own KV heads."""
+        if batch.host_save_host_slots:
+            self.host_kv_cache.save(unpack_i32(batch.host_save_device_slots), unpack_i32(batch.host_save_host_slots))
+        if batch.host_load_host_slots:
+            self.host_kv_cache.load(unpack_i32(batch.host_load_host_slots), unpack_i32(batch.host_load_device_slots))
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> SampledTokens:
@@ -232,10 +274,11 @@ class ModelRunner:
         placeholders) until finish_step. The worker may compute the next batch's logits in between."""
         mask = np.frombuffer(batch.sample_mask, dtype=np.uint8).astype(bool)
         rows = unpack_i32(batch.req_pool_indices)[mask]
+        prompt_logprobs = self._prompt_logprobs.pop(batch.step, [])
         if not len(rows):
-            return SampledStep(batch.step, None, None, [])
+            return SampledStep(batch.step, None, None, [], prompt_logprobs=prompt_logprobs)
         seq_lens = (unpack_i32(batch.prefix_lens) + unpack_i32(batch.extend_lens))[mask]
-        logits = logits[torch.from_numpy(np.flatnonzero(mask)).to(self.device)] if not mask.all() else logits
+        logits = logits[self.staging.to_device(np.flatnonzero(mask))] if not mask.all() else logits
         # The states themselves, not their rows: the next batch may already have given a row to a new request.
         states = [self.request_states[int(r)] for r in rows]
         tokens, logprobs = self.sampler(logits, states, seq_lens.tolist())
@@ -246,18 +289,19 @@ class ModelRunner:
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return SampledStep(batch.step, tokens, logprobs, states, done)
+        return SampledStep(batch.step, tokens, logprobs, states, done, prompt_logprobs)
 
     @torch.inference_mode()
     def finish_step(self, step: "SampledStep") -> SampledTokens:
         """The sampled tokens to the host (waits for them), into each request's sampling state, as a message."""
         if step.tokens is None:
-            return SampledTokens(step=step.step, token_ids=b"")
+            return SampledTokens(step=step.step, token_ids=b"", prompt_logprobs=step.prompt_logprobs)
         token_list = step.tokens.tolist()
         for state, token in zip(step.states, token_list):
             state.on_sampled(token)
         return SampledTokens(step=step.step, token_ids=np.asarray(token_list, dtype=np.int32).tobytes(),
-                             logprobs=self._logprobs(step.logprobs, step.tokens, step.states))
+                             logprobs=self._logprobs(step.logprobs, step.tokens, step.states),
+                             prompt_logprobs=step.prompt_logprobs)
 
     @staticmethod
     def _logprobs(logprobs, tokens, states) -> list[TokenLogprobs | None]:

@@ -30,7 +30,8 @@ def run_worker(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready,
     from_scheduler = Channel(ctx, zmq.PULL, endpoints.scheduler_to_worker(rank), bind=False,
                              recv_type=SchedulerToWorker)
     to_scheduler = Channel(ctx, zmq.PUSH, endpoints.workers_to_scheduler, bind=False)
-    to_scheduler.send(WorkerReady(rank=rank, num_kv_slots=runner.num_kv_slots, context_len=runner.context_len))
+    to_scheduler.send(WorkerReady(rank=rank, num_kv_slots=runner.num_kv_slots, context_len=runner.context_len,
+                                  num_host_slots=runner.num_host_slots))
     on_ready({"num_kv_slots": runner.num_kv_slots, "device": str(runner.device)})
     logger.info("rank %d ready: %d KV slots, context %d", rank, runner.num_kv_slots, runner.context_len)
     profiler = StepProfiler(rank)

@@ -1,0 +1,44 @@
+"""Host-to-device copies of a step's small index arrays through page-locked (pinned) buffers.
+
+A copy from ordinary (pageable) host memory is not really asynchronous: CUDA stages it and, in practice, waits for the
+stream to reach it. Every step copies a handful of arrays (positions, slots, group tables), so the worker waited for
+the previous step's forward before it could queue the next one, and the device idled while the host prepared it
+(H100 profile at batch 1: 8 copies a step, 140 us each). From pinned memory the copy is queued and the call returns.
+
+Buffers are reused round-robin; each remembers the event recorded after its last copy, and is written again only once
+that copy has run. With `depth` buffers and a few copies a step, that event belongs to a step already finished, so the
+wait costs nothing. On the CPU device (and with --disable-pinned-staging) arrays go through torch.from_numpy as before.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class PinnedStaging:
+    def __init__(self, device: torch.device, enabled: bool = True, buffer_bytes: int = 4 << 20, depth: int = 16):
+        self.device = device
+        self.enabled = enabled and device.type == "cuda"
+        self.buffer_bytes = buffer_bytes
+        self._buffers = [torch.empty(buffer_bytes, dtype=torch.uint8, pin_memory=True)
+                         for _ in range(depth)] if self.enabled else []
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self._buffers)
+        self._next = 0
+
+    def to_device(self, array: np.ndarray) -> torch.Tensor:
+        """The array on the device (same dtype); queued, not waited for."""
+        array = np.ascontiguousarray(array)
+        if not self.enabled or array.nbytes > self.buffer_bytes or array.nbytes == 0:
+            return torch.from_numpy(array).to(self.device, non_blocking=True)
+        i = self._next
+        self._next = (i + 1) % len(self._buffers)
+        if self._copied[i] is not None:
+            self._copied[i].synchronize()  # the previous copy out of this buffer has run
+        staged = self._buffers[i][:array.nbytes]
+        staged.numpy()[:] = array.view(np.uint8).reshape(-1)
+        out = staged.view(torch.from_numpy(array[:0]).dtype).to(self.device, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._copied[i] = event
+        return out.view(array.shape)

@@ -1,0 +1,173 @@
+"""Pinned prefixes, the scheduler's side: POST /v1/cache/pin, GET /v1/cache/pins, DELETE /v1/cache/pin/{id} and
+--pin-prompts arrive here as PinPrefixRequest / ListPinsRequest / UnpinPrefixRequest (radixserve/protocol.py).
+
+A pin keeps a token sequence in the radix tree (RadixCache.pin: pinned nodes are never evicted) until it is unpinned
+or its TTL passes. The tree can only pin tokens it holds, so a prefix that is not cached yet is computed first: an
+internal request with the prefix as its prompt and one greedy output token runs through the normal scheduler path
+(admission, chunked prefill, the cache_salt's namespace); when it finishes its prompt is in the tree and is pinned
+right after that step (should memory pressure have evicted part of it meanwhile, the rest is computed again). Its
+outputs never reach the front end.
+
+--max-pinned-tokens bounds the tokens pins hold (each cached token counted once, however many pins share it): a pin
+that would go past it is undone and answered with a 409. Without the flag the bound is half the KV pool, so that
+pins never take the room running requests need; 0 turns pinning off.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from radixserve.protocol import (ListPinsRequest, PinEntry, PinPrefixRequest, PinsReply, UnpinPrefixRequest,
+                                 unpack_i32)
+from radixserve.sampling import SamplingParams
+from scheduler_service.request import Req
+from scheduler_service.results import StepOutput
+
+logger = logging.getLogger(__name__)
+
+EXPIRY_CHECK_INTERVAL_S = 0.2  # how late a pin may outlive its TTL (the scheduler loop wakes every 50 ms when idle)
+MAX_ATTEMPTS = 3  # computations of one prefix before giving up (each time, pressure evicted it before the pin)
+INTERNAL_RID_PREFIX = "compute-pin-"  # front-end rids are hex or "<route>-<hex>-<index>": never this
+
+
+@dataclass
+class _PendingPin:
+    request_id: str  # the PinPrefixRequest to answer
+    tokens: np.ndarray
+    cache_salt: str | None
+    ttl_seconds: float | None
+    attempts: int = 0  # internal requests run for it so far
+
+
+def pin_entry(info) -> PinEntry:
+    """The socket form of a RadixCache PinInfo."""
+    return PinEntry(info.id, info.namespace, int(info.num_tokens), float(info.created_at),
+                    None if info.expires_at is None else float(info.expires_at))
+
+
+class CacheControl:
+    """Pins for one scheduler: answers the pin messages, computes missing prefixes, expires TTLs."""
+
+    def __init__(self, scheduler, max_pinned_tokens: int | None):
+        self.scheduler = scheduler
+        self.tree = scheduler.tree
+        total = scheduler.slot_allocator.num_total
+        self.max_pinned_tokens = total // 2 if max_pinned_tokens is None else max_pinned_tokens
+        self._pending: dict[str, _PendingPin] = {}  # internal rid -> the pin to make when it finishes
+        self._next_expiry_check = 0.0
+
+    # ------------------------------------------------------------------ requests
+    def handle(self, message) -> PinsReply | None:
+        """The reply to a pin message; None while a prefix is being computed (take_outputs() answers it later)."""
+        if isinstance(message, PinPrefixRequest):
+            return self._pin(message)
+        if isinstance(message, UnpinPrefixRequest):
+            pins = {p.id: p for p in self.tree.list_pins()}
+            if message.pin_id in pins and self.tree.unpin(message.pin_id):
+                return self._reply(message.request_id, 200, pins=[pin_entry(pins[message.pin_id])])
+            return self._reply(message.request_id, 404, f"no pin with id {message.pin_id!r}")
+        if isinstance(message, ListPinsRequest):
+            return self._reply(message.request_id, 200, pins=[pin_entry(p) for p in self.tree.list_pins()])
+        raise TypeError(f"not a pin message: {type(message).__name__}")
+
+    def _pin(self, message: PinPrefixRequest) -> PinsReply | None:
+        tokens = unpack_i32(message.input_ids).copy()
+        if len(tokens) == 0:
+            return self._reply(message.request_id, 400, "nothing to pin: the prompt is empty")
+        if self.tree.disable:
+            return self._reply(message.request_id, 400, "the radix cache is off (--disable-radix-cache): "
+                                                        "there is nothing to pin")
+        if len(tokens) > self.max_pinned_tokens:
+            return self._reply(message.request_id, 409, self._over_bound(len(tokens)))
+        pending = _PendingPin(message.request_id, tokens, message.cache_salt, message.ttl_seconds)
+        cached = len(self.tree.match_prefix(tokens, namespace=message.cache_salt, record_hit=False).slots)
+        if cached == len(tokens):
+            reply = self._pin_cached(pending)
+            if reply is not None:
+                return reply
+        return self._compute(pending)
+
+    def _compute(self, pending: _PendingPin) -> PinsReply | None:
+        """Queue the internal request that computes the prefix: one greedy token, so that the whole prompt's KV
+        goes into the tree when it finishes."""
+        pending.attempts += 1
+        if pending.attempts > MAX_ATTEMPTS:
+            return self._reply(pending.request_id, 503, "the prefix kept being evicted before it could be pinned "
+                                                        "(the KV cache is under pressure); try again later")
+        req = Req(f"{INTERNAL_RID_PREFIX}{uuid.uuid4().hex}", pending.tokens,
+                  SamplingParams(max_new_tokens=1, temperature=0.0))
+        req.cache_salt = pending.cache_salt
+        try:
+            self.scheduler.add_request(req)
+        except ValueError as e:
+            return self._reply(pending.request_id, 400, f"cannot compute the prefix to pin: {e}")
+        self._pending[req.rid] = pending
+        return None
+
+    def _pin_cached(self, pending: _PendingPin) -> PinsReply | None:
+        """Pin tokens the tree holds; None if it no longer holds them all."""
+        try:
+            info = self.tree.pin(pending.tokens, namespace=pending.cache_salt, ttl_seconds=pending.ttl_seconds)
+        except ValueError:
+            return None
+        if self.tree.pinned_size > self.max_pinned_tokens:
+            pinned = self.tree.pinned_size
+            self.tree.unpin(info.id)
+            return self._reply(pending.request_id, 409, self._over_bound(len(pending.tokens), pinned))
+        logger.info("pinned %d tokens as %s (cache_salt=%r, ttl=%s)", len(pending.tokens), info.id,
+                    pending.cache_salt, pending.ttl_seconds)
+        return self._reply(pending.request_id, 200, pins=[pin_entry(info)])
+
+    def _over_bound(self, num_tokens: int, pinned_after: int | None = None) -> str:
+        if self.max_pinned_tokens == 0:
+            return "pinning is turned off on this server (--max-pinned-tokens 0)"
+        after = f" would make {pinned_after} tokens pinned" if pinned_after is not None else ""
+        return (f"pinning these {num_tokens} tokens{after}, more than this server's limit of "
+                f"{self.max_pinned_tokens} pinned tokens (--max-pinned-tokens); unpin something first")
+
+    def _reply(self, request_id: str, status: int, message: str = "", pins: list[PinEntry] = ()) -> PinsReply:
+        return PinsReply(request_id, status, message, list(pins), int(self.tree.pinned_size))
+
+    # ------------------------------------------------------------------ the scheduler loop
+    def take_outputs(self, outputs: list[StepOutput]) -> tuple[list[StepOutput], list[PinsReply]]:
+        """Split a step's outputs: the front end's, and the replies to pins whose prefix just finished computing
+        (pinned here, before the next step can evict anything)."""
+        if not self._pending:
+            return outputs, []
+        kept, replies = [], []
+        for out in outputs:
+            pending = self._pending.get(out.req.rid)
+            if pending is None:
+                kept.append(out)
+                continue
+            if not out.finished:
+                continue
+            del self._pending[out.req.rid]
+            if out.req.finish_reason in ("stop", "length"):
+                # Its KV went into the tree as it finished. Memory pressure may have evicted part of it since (the
+                # overlapped loop can schedule once between the finish and here): then compute the rest again.
+                reply = self._pin_cached(pending)
+                if reply is None:
+                    reply = self._compute(pending)
+                if reply is not None:
+                    replies.append(reply)
+            else:
+                why = out.req.error or f"it ended with {out.req.finish_reason}"
+                replies.append(self._reply(pending.request_id, 400, f"could not compute the prefix to pin: {why}"))
+        return kept, replies
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop pins whose TTL has passed; cheap enough to call on every loop iteration."""
+        now = time.time() if now is None else now
+        if now < self._next_expiry_check:
+            return []
+        self._next_expiry_check = now + EXPIRY_CHECK_INTERVAL_S
+        expired = self.tree.expire_pins(now)
+        if expired:
+            logger.info("pins expired: %s", ", ".join(expired))
+        return expired
