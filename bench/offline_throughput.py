@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from typing import NamedTuple
 
@@ -95,10 +97,18 @@ def modelled_kv_read(w: Workload, grouped: bool, bytes_per_token: int, min_token
     return w.requests * (w.system_len + own) * bytes_per_token
 
 
+def triton_compiles() -> int:
+    """Kernels Triton has compiled in this mode's processes so far: each compile adds one entry to the cache
+    directory that run_mode gives the mode (a fresh one, so that loads from an older cache do not hide a compile)."""
+    directory = os.environ.get("TRITON_CACHE_DIR")
+    return len(os.listdir(directory)) if directory and os.path.isdir(directory) else 0
+
+
 def timed_run(engine: Engine, prompts, output_len: int) -> dict:
     params = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
     assert engine.flush_cache()  # every run starts from an empty cache, as the first did
     before = engine.server_info()
+    compiled_before = triton_compiles()
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -116,17 +126,22 @@ def timed_run(engine: Engine, prompts, output_len: int) -> dict:
         "grouped_decodes": after.get("grouped_decodes", 0) - before.get("grouped_decodes", 0),
         "saved_tokens_per_step": round((after.get("shared_prefix_tokens_saved", 0)
                                         - before.get("shared_prefix_tokens_saved", 0)) / max(1, steps)),
+        # A compile inside a timed run costs it a second or more; a warm engine should show none.
+        "triton_compiles": triton_compiles() - compiled_before,
     }
 
 
 def run_mode(model_dir: str, workloads: list[Workload], vocab: int, repeats: int, **engine_args) -> dict:
+    # A fresh Triton cache for this mode's processes (the workers inherit it), so that triton_compiles() counts
+    # every compile, also those an older cache would have served from disk.
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="radixserve-triton-")
     with Engine(model_dir, load_format="dummy", **engine_args) as engine:
         rows = {}
         for w in workloads:
             prompts = prompts_for(w, vocab)
             # Warm-up: one whole untimed run of the same prompts and output length, so that every Triton kernel
             # variant the timed runs meet (batch sizes and context lengths of mixed steps) compiles before the clock
-            # runs. A 4-token warm-up left compiles inside the first timed runs (H100: a 2.3 s run took 9 s).
+            # runs. A 4-token warm-up left compiles inside the first timed runs (H100: up to 4.5x the later runs).
             timed_run(engine, prompts, w.output_len)
             rows[w.name] = summarize_rows([timed_run(engine, prompts, w.output_len) for _ in range(repeats)])
     return rows
@@ -249,7 +264,8 @@ def main() -> None:
             saved = row["saved_tokens_per_step"]["median"] * bytes_per_token
             print(f"  {mode:14s} KV read per decode step (model) {model_kv / 1e6:9.1f} MB, saved (counted) "
                   f"{saved / 1e6:9.1f} MB | seconds {median_and_spread(row['seconds'])}, output tok/s "
-                  f"{median_and_spread(row['output_tok_per_s'])}, steps {median_and_spread(row['steps'])}", flush=True)
+                  f"{median_and_spread(row['output_tok_per_s'])}, steps {median_and_spread(row['steps'])}, "
+                  f"Triton compiles in the timed runs {row['triton_compiles']['runs']}", flush=True)
         if "shared prefix" in results and "plain decode" in results and w.name in results["plain decode"]:
             on = results["shared prefix"][w.name]["seconds"]["median"]
             off = results["plain decode"][w.name]["seconds"]["median"]

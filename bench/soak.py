@@ -37,7 +37,7 @@ from radixserve.process_util import process_tree_argv
 from radixserve.testing.tiny_models import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
-RSS_TOLERANCE = 0.05  # every process's RSS at the end within 5% of its value after the first minute
+RSS_TOLERANCE = 0.05  # no process's RSS at the end more than 5% above its value after the first minute
 BASELINE_S = 60.0
 
 
@@ -196,7 +196,9 @@ def kv_invariant_whole(info: dict) -> bool:
 
 def rss_summary(samples: list[dict]) -> dict[str, dict]:
     """Per process: RSS after the first minute (the first sample at or past it), at the end, the peak, and whether
-    the end is within RSS_TOLERANCE of the first-minute value."""
+    the end is at most RSS_TOLERANCE above the first-minute value. Only growth counts: a leak grows, while a worker
+    whose batch empties during the drain hands its working memory back and ends below its baseline (2026-11-23:
+    -15.6%, failed by the earlier two-sided rule)."""
     out = {}
     for name in dict.fromkeys(s["process"] for s in samples):
         series = [s for s in samples if s["process"] == name]
@@ -205,7 +207,7 @@ def rss_summary(samples: list[dict]) -> dict[str, dict]:
         change = (end["rss_mib"] - base["rss_mib"]) / base["rss_mib"]
         out[name] = {"pid": end["pid"], "start_mib": series[0]["rss_mib"], "after_1_min_mib": base["rss_mib"],
                      "end_mib": end["rss_mib"], "peak_mib": max(s["rss_mib"] for s in series),
-                     "change_since_1_min": round(change, 4), "within_tolerance": abs(change) <= RSS_TOLERANCE}
+                     "change_since_1_min": round(change, 4), "within_tolerance": change <= RSS_TOLERANCE}
     return out
 
 
