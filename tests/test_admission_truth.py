@@ -98,6 +98,10 @@ def test_more_sequences_than_the_per_request_cap_is_400(http):
     prompts = [[100 + i, 200] for i in range(MAX_PER_REQUEST + 1)]
     response = http.post("/generate", json={"input_ids": prompts, "sampling_params": {"max_new_tokens": 2}})
     assert_error(response, 400, "--max-sequences-per-request", str(MAX_PER_REQUEST))
+    # Sequences are prompts x n: 26 prompts with n=16 are 416, over the cap though neither factor is.
+    response = http.post("/v1/completions", json={"prompt": [[100 + i, 200] for i in range(26)], "n": 16,
+                                                  "max_tokens": 2})
+    assert_error(response, 400, "--max-sequences-per-request", "26 prompts x n=16")
     assert_server_fine(http)
 
 

@@ -88,8 +88,9 @@ def test_cross_origin_requests(http):
 def test_header_size_limit_is_431(server, http):
     response = http.get("/v1/models", headers={"x-padding": "a" * (MAX_HEADER + 10)})
     assert_error_response(response, 431, "header", str(MAX_HEADER))
-    # One endless header line (16 MB, more than any read) is cut off while it arrives.
-    head = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (16 << 20) + b"\r\n\r\n"
+    # One endless header line (16 MB, more than any read, never ended) is cut off while it arrives: the parser
+    # alone would buffer it until its end, and answer only then (here: never).
+    head = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (16 << 20)
     status, headers, body = raw_request(server.port, head)
     assert_openai_error(status, body, 431, "--max-header-bytes")
     many = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n" + b"".join(
@@ -132,13 +133,18 @@ def test_request_cannot_supply_a_chat_template(http):
     assert response.status_code == 200, response.text
 
 
-def test_health_answers_while_a_7mb_prompt_is_tokenized(server, http):
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_health_answers_while_a_7mb_prompt_is_tokenized(server, http, route):
+    # Both paths: a completion's prompt is tokenized, a chat message is rendered by the chat template and then
+    # tokenized; each must run off the event loop.
     prompt = "hello world, how are you? " * (7_000_000 // 26)
+    body = ({"prompt": prompt, "max_tokens": 1} if route == "/v1/completions" else
+            {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1})
     outcome = {}
 
     def send_big():
         with httpx.Client(base_url=server.url, timeout=120) as client:
-            outcome["response"] = client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            outcome["response"] = client.post(route, json=body)
             outcome["done"] = time.monotonic()
 
     sender = threading.Thread(target=send_big)
