@@ -13,7 +13,6 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -24,6 +23,7 @@ from radixserve.launcher import resolve_model_dir
 from radixserve.protocol import RequestOutput, TokenLogprobs
 from radixserve.request_pipeline import RequestPipeline, SequenceResult
 from radixserve.request_validation import check_request
+from radixserve.tokenizer_loading import load_tokenizer
 from radixserve.sampling import SamplingParams
 
 Prompt = str | list[int]
@@ -39,11 +39,6 @@ class GenerationResult:
     error: str | None = None
     matched_stop: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 class EngineBase:

@@ -15,6 +15,7 @@ from radixserve.protocol import (AbortRequest, BatchOutput, CacheStatsRequest, F
                                  SchedulerLoad, ServerInfo, ServerInfoRequest, Shutdown, TokenizedRequest,
                                  TokenizerToScheduler, WorkerReady, WorkerToScheduler, unpack_i32)
 from radixserve.protocol import ListPinsRequest, PinPrefixRequest, PinsReply, UnpinPrefixRequest
+from radixserve.tokenizer_loading import load_tokenizer
 from scheduler_service.cache_control import CacheControl
 from scheduler_service.cache_events import CacheEventLog
 from scheduler_service.cache_stats import cache_numbers, cache_stats
@@ -168,11 +169,6 @@ class SchedulerProcess:
     def shutdown(self) -> None:
         for channel in self.to_workers:
             channel.send(Shutdown("scheduler stopping"))
-
-
-def load_tokenizer(path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def run_scheduler(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready) -> None:

@@ -25,12 +25,12 @@ import uvloop
 
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.ipc import Endpoints
+from radixserve.tokenizer_loading import load_tokenizer
 from tokenizer_service.app import ServingContext, build_app
 from tokenizer_service.http_protocol import protocol_class
 from tokenizer_service.metrics import ServerMetrics
 from tokenizer_service.request_manager import RequestManager
 from tokenizer_service.routes_cache import pin_startup_prompts
-from tokenizer_service.tokenization import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -15,17 +15,11 @@ import asyncio
 import copy
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any, Callable
 
 from tokenizer_service.errors import RequestError
 from tokenizer_service.openai_schema import ChatCompletionRequest
 from tokenizer_service.structured_outputs import chat_template_inputs
-
-
-def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def longest_token_chars(tokenizer) -> int:
