@@ -14,8 +14,9 @@ from pathlib import Path
 
 
 def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
+    # Each import where it is used: importing AutoTokenizer alone already imports torch.
     if (Path(path) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
         return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(path))

@@ -130,6 +130,16 @@ def test_every_listening_socket_binds_the_configured_host(server):
             assert any(v.startswith(b"GLOO_SOCKET_IFNAME=lo") for v in environ), f"pid {pid}: {cmdline}"
 
 
+def test_front_end_and_scheduler_never_load_torch(server):
+    """Neither the HTTP process nor the scheduler runs a tensor op, so neither maps libtorch at runtime (the tokenizer
+    loader once imported it through AutoTokenizer: ~190 MB and seconds of start-up in each, on every server)."""
+    tree = process_tree(server.process.pid)
+    services = {pid: cmd for pid, cmd in tree.items() if "-m tokenizer_service" in cmd or "-m scheduler_service" in cmd}
+    assert len(services) == 2, tree
+    for pid, cmdline in services.items():
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), cmdline
+
+
 def test_a_stopped_worker_fails_requests_turns_health_503_and_ends_launch(server):
     url = server.url
     warmup = httpx.post(f"{url}/v1/completions", headers=auth(), timeout=60,
@@ -172,3 +182,4 @@ def test_a_stopped_worker_fails_requests_turns_health_503_and_ends_launch(server
     finally:
         if Path(f"/proc/{worker1}").exists():
             os.kill(worker1, signal.SIGKILL)
+
