@@ -119,7 +119,11 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, mode
     with_choices = [c for c in chunks if c.choices]
     assert with_choices and all(c.usage is not None for c in with_choices)
     counts = [c.usage.completion_tokens for c in with_choices]
-    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] <= 1
+    assert counts == sorted(counts) and counts[-1] == 6
+    # The usage so far, not the final one copied onto every chunk. A chunk may carry more than one token (a token
+    # whose text is held back until the next one completes it), so the first count is not always 0 (chat's role
+    # chunk) or 1.
+    assert len(counts) > 2 and counts[0] < counts[-1], counts
     assert {c.usage.prompt_tokens for c in chunks} == {final.usage.prompt_tokens}
     # Without include_usage there is no usage at all, as vLLM: continuous_usage_stats alone changes nothing.
     kw["stream_options"] = {"continuous_usage_stats": True}
