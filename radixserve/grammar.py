@@ -267,9 +267,9 @@ class WorkerGrammars:
         if spec is None or self.backend == "none":
             return None
         if self._compiler is None:
-            from transformers import AutoTokenizer
+            from radixserve.tokenizer_loading import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+            tokenizer = load_tokenizer(self._tokenizer_path)
             self._compiler = GrammarCompiler(tokenizer, self._vocab_size, self._stop_token_ids)
         try:
             grammar = self._compiler.matcher(spec)

@@ -87,7 +87,7 @@ class HostTier:
         if have >= leaf_start:
             source = slots[have - leaf_start:]
         else:  # the leaf's ancestors are missing here too: they are still in the device tree
-            above = device_path_slots(self.device_tree, path_tokens[:leaf_start], namespace)
+            above = self.device_tree.peek_slots(path_tokens[:leaf_start], namespace)
             source = np.concatenate([above[have:], slots])
         host_slots = self._alloc_host(len(source), held)
         if host_slots is None:
@@ -211,17 +211,3 @@ def _last_writes(copies: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
     keep = np.sort(len(dst) - 1 - first_in_reversed)
     return src[keep], dst[keep]
 
-
-def device_path_slots(tree: RadixCache, tokens: np.ndarray, namespace: str | None) -> np.ndarray:
-    """The device slots of `tokens`, a path of whole nodes from the root of `namespace` (an evicted leaf's
-    ancestors), read without touching the nodes: a save must not make them look recently used or hit, which any
-    match_prefix would (the tree has no read-only lookup; this reads its nodes' documented fields)."""
-    node = tree._roots.get(namespace)
-    parts, pos = [], 0
-    while pos < len(tokens):
-        node = node.children[int(tokens[pos])]  # a KeyError here would be a broken hook contract, not a miss
-        parts.append(node.value)
-        pos += len(node.key)
-    if pos != len(tokens):
-        raise AssertionError("an evicted leaf's parent path does not end on a node boundary")
-    return np.concatenate(parts) if parts else _EMPTY

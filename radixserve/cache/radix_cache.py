@@ -119,6 +119,20 @@ class RadixCache:
 
     # ---------------------------------------------------------------- lookup / insert
 
+    def peek_slots(self, tokens, namespace: str | None = None) -> np.ndarray:
+        """The slots of `tokens`, which must be a path of whole cached nodes from the root of `namespace`, read
+        without touching anything: no access time, no hit, no split (the host tier reads an evicted leaf's ancestors
+        this way, and that read must not make them look recently used)."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        node, parts, pos = self._roots.get(namespace), [], 0
+        while pos < len(tokens):
+            node = node.children[int(tokens[pos])]  # KeyError: not a cached path
+            parts.append(node.value)
+            pos += len(node.key)
+        if pos != len(tokens):
+            raise ValueError("peek_slots: the tokens do not end on a node boundary")
+        return np.concatenate(parts) if parts else _EMPTY.copy()
+
     def match_prefix(self, tokens, namespace: str | None = None, priority: int = 0, *,
                      record_hit: bool = True) -> MatchResult:
         """Longest prefix of `tokens` cached in `namespace` and its slots; touches the path for the eviction policy
