@@ -91,6 +91,13 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def connection_lost(dropped_at: float | None, last_beat: float, now: float) -> bool:
+    """A peer is gone when its connection closed no earlier than its last beat and it has been silent for three
+    beats since. A drop read in the same tick as the last beat counts (both get that tick's time): a loaded
+    launcher often reads the final beat and the disconnect together, and the beat was sent first."""
+    return dropped_at is not None and dropped_at >= last_beat and now - last_beat > 3 * BEAT_INTERVAL_S
+
+
 @dataclass(frozen=True)
 class LinkPorts:
     host: str
@@ -311,7 +318,7 @@ class NodeLinks:
                           f"it reach {listen}?")
             return
         silent = now - peer.last_beat
-        if self.dropped_at is not None and self.dropped_at > peer.last_beat and silent > 3 * BEAT_INTERVAL_S:
+        if connection_lost(self.dropped_at, peer.last_beat, now):
             peer.fail(f"{who} is gone: its connection closed and it has sent nothing for {silent:.1f} s "
                       f"(its launch.py was killed or its machine went down)")
         elif silent > limit:

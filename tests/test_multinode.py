@@ -21,7 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 from radixserve.ipc import Endpoints, make_ipc_dir
 from radixserve.launcher import free_port
 from radixserve.node_keys import SECRET_ENV, derive_keys
-from radixserve.node_link import NodeLinks, link_ports
+from radixserve.node_link import BEAT_INTERVAL_S, NodeLinks, connection_lost, link_ports
 from radixserve.protocol import WorkerReady
 from radixserve.testing.tiny_models import tiny_model_dir
 
@@ -237,3 +237,14 @@ def test_links_carry_frames_and_refuse_peers_without_the_secret():
         ctx.destroy(linger=0)
         member.close("test over", failed=False)
         head.close("test over", failed=False)
+
+
+def test_a_drop_read_with_the_last_beat_still_means_the_node_is_gone():
+    # A loaded launcher reads node 1's last beat and its disconnect in one tick, so both carry that tick's time; the
+    # strict comparison once left such a node "alive" until --dist-timeout and node 0 blamed its own worker.
+    beat = 100.0
+    assert connection_lost(dropped_at=beat, last_beat=beat, now=beat + 4 * BEAT_INTERVAL_S)
+    assert connection_lost(dropped_at=beat + 0.1, last_beat=beat, now=beat + 4 * BEAT_INTERVAL_S)
+    assert not connection_lost(dropped_at=beat, last_beat=beat, now=beat + 2 * BEAT_INTERVAL_S)  # not silent yet
+    assert not connection_lost(dropped_at=beat - 1, last_beat=beat, now=beat + 10)  # it came back and beat since
+    assert not connection_lost(dropped_at=None, last_beat=beat, now=beat + 10)

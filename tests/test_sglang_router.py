@@ -20,6 +20,8 @@ from radixserve.testing.tiny_models import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 KEY = "router-test-key-0123"
+# The tiny model samples at temperature 1, so any reply may end early on EOS; token counts are asserted without it.
+NO_EOS = {"ignore_eos": True}
 
 
 def start_server(port: int, *extra: str) -> subprocess.Popen:
@@ -98,12 +100,14 @@ def test_two_servers_behind_sglang_router(deployment):
     metrics = httpx.get(f"{urls[1]}/metrics", headers=auth(), timeout=10).text
     assert all(f'dp_rank="{i}"' in metrics for i in (0, 1)) and "replica_num_running_reqs" in metrics
 
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+                                          extra_body=NO_EOS)
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 5
     pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True) if c.choices]
     assert "".join(pieces)
-    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5)
+    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5,
+                                           extra_body=NO_EOS)
     assert completion.usage.completion_tokens == 5
     streamed = [c.choices[0].text for c in client.completions.create(model=model, prompt="Once", max_tokens=5,
                                                                         stream=True) if c.choices]
@@ -162,7 +166,9 @@ def test_two_servers_behind_sglang_router(deployment):
     # which a loaded machine stretches; what we promise is the state once the check has run.
     wait_for(router_dropped_it, "the router's health check to drop the dead server", 60)
     for i in range(8):
-        reply = client.completions.create(model=model, prompt=f"request {i} after the kill", max_tokens=3)
+        reply = client.completions.create(model=model, prompt=f"request {i} after the kill", max_tokens=3,
+                                           extra_body=NO_EOS)
         assert reply.usage.completion_tokens == 3
     for i in range(4):
-        assert client.completions.create(model=model, prompt=f"again {i}", max_tokens=3).usage.completion_tokens == 3
+        assert client.completions.create(model=model, prompt=f"again {i}", max_tokens=3,
+                                         extra_body=NO_EOS).usage.completion_tokens == 3
