@@ -15,9 +15,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,12 +22,11 @@ import aiohttp
 import httpx
 import numpy as np
 
-from radixserve.launcher import free_port
 from radixserve.testing.tiny_models import dummy_config_dir
 
+from bench.server_process import start_server
 from bench.run_record import check_repeats, run_record, summarize_rows
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 
@@ -40,26 +36,6 @@ def workload(ns, vocab: int) -> list[list[int]]:
     prompts = [systems[i % ns.groups] + rng.integers(100, vocab - 100, ns.question_len).tolist()
                for i in range(ns.requests)]
     return [prompts[i] for i in rng.permutation(len(prompts))]
-
-
-def start_server(model_dir: str, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, str(REPO / "launch.py"), "--model", model_dir, "--load-format", "dummy", "--port",
-           str(port), *extra]
-    # The server's log goes to a file: an unread pipe would fill up and stall the server mid-benchmark.
-    log = tempfile.NamedTemporaryFile(prefix="radixserve-serving-bench-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: {Path(log.name).read_text(errors='replace')[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start")
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
@@ -141,10 +117,9 @@ def main() -> None:
           f"{ns.output_len} output tokens each", flush=True)
     rows = {}
     for mode, flags in {"radix cache": [], "no cache": ["--disable-radix-cache"]}.items():
-        port = free_port()
-        server = start_server(model_dir, port, flags + ns.server_args.split())
+        server, url, log = start_server(model_dir, ["--load-format", "dummy", *flags, *ns.server_args.split()],
+                                        "radixserve-serving-bench-")
         try:
-            url = f"http://127.0.0.1:{port}"
             # Warm-up on the same prompts: every Triton kernel variant gets compiled before the clock starts.
             asyncio.run(run_load(url, prompts, 4, ns.concurrency))
             runs = []
@@ -156,6 +131,7 @@ def main() -> None:
         finally:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=30)
+            log.unlink(missing_ok=True)
         print(f"{mode:12s} " + ", ".join(
             f"{k} {v['median']:g} (spread {v['spread_pct']:g}%)" if isinstance(v, dict) else f"{k} {v}"
             for k, v in rows[mode].items()), flush=True)

@@ -20,9 +20,7 @@ import os
 import platform
 import shlex
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -32,35 +30,13 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from radixserve.launcher import free_port
 from radixserve.process_util import process_tree_argv
 from radixserve.testing.tiny_models import tiny_model_dir
 
-REPO = Path(__file__).resolve().parents[1]
+from bench.server_process import start_server
+
 RSS_TOLERANCE = 0.05  # no process's RSS at the end more than 5% above its value after the first minute
 BASELINE_S = 60.0
-
-
-def start_server(model_dir: str, extra: list[str]) -> tuple[subprocess.Popen, str, Path]:
-    port = free_port()
-    # The log goes to a file: an unread pipe fills up and stalls the server.
-    log = Path(tempfile.mkstemp(prefix="radixserve-soak-", suffix=".log")[1])
-    cmd = [sys.executable, str(REPO / "launch.py"), "--model", model_dir, "--device", "cpu", "--port", str(port),
-           *extra]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"launch.py exited during startup:\n{log.read_text(errors='replace')[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url, log
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server was not healthy after 600 s")
 
 
 # ---------------------------------------------------------------------------------------------- process memory
@@ -256,7 +232,8 @@ def main() -> int:
 
     proc = log = None
     if ns.url is None:
-        proc, url, log = start_server(ns.model or str(tiny_model_dir("llama")), shlex.split(ns.server_args))
+        proc, url, log = start_server(ns.model or str(tiny_model_dir("llama")),
+                                      ["--device", "cpu", *shlex.split(ns.server_args)], "radixserve-soak-")
         launcher_pid = proc.pid
     else:
         url, launcher_pid = ns.url.rstrip("/"), ns.launcher_pid

@@ -8,7 +8,8 @@ reply = client.chat([{"role": "user", "content": "What is the capital of France?
 print(reply.text)
 ```
 
-`AsyncClient` has the same methods as coroutines; its streaming methods return async iterators.
+`AsyncClient` (radixserve/client_async.py, importable from here too) has the same methods as coroutines; its
+streaming methods return async iterators.
 
 Structured replies and tools: `response_format` ({"type": "json_object"}, or {"type": "json_schema", "json_schema":
 {"name": ..., "schema": {...}}}) on chat and completions, `tools` and `tool_choice` on chat. The functions called
@@ -30,106 +31,28 @@ Errors:
 
 from __future__ import annotations
 
-import asyncio
 import time
-import urllib.parse
-from typing import Any, AsyncIterator, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 
+from radixserve.client_async import AsyncClient
+from radixserve.client_base import DEFAULT_TIMEOUT_S, ClientBase, json_or_text
 from radixserve.client_results import (AsyncStream, ChatResult, Choice, CompletionResult, GenerateResult, Model,
                                        NativeChunks, OpenAIChunks, RadixServeConnectionError, RadixServeError,
                                        RadixServeTimeoutError, Stream, StreamChunk, ToolCall, Usage, decode_event,
                                        error_from_response, parse_generate_body, parse_openai, sse_data,
                                        tool_calls_from_deltas, transport_error)
 
+# The public API: both clients and everything they return or raise.
 __all__ = [
     "AsyncClient", "AsyncStream", "ChatResult", "Choice", "Client", "CompletionResult", "GenerateResult",
     "Model", "RadixServeConnectionError", "RadixServeError", "RadixServeTimeoutError", "Stream", "StreamChunk",
     "ToolCall", "Usage", "tool_calls_from_deltas",
 ]
 
-DEFAULT_TIMEOUT_S = 60.0
 
-
-
-# ------------------------------------------------------------------------------------------------ clients
-
-
-def _timeout(value: float | httpx.Timeout | None) -> httpx.Timeout:
-    return value if isinstance(value, httpx.Timeout) else httpx.Timeout(value)
-
-
-class _Base:
-    def __init__(self, base_url: str, api_key: str | None, timeout: float | httpx.Timeout | None):
-        base_url = base_url.rstrip("/")
-        if base_url.endswith("/v1"):  # accept the openai package's base_url too
-            base_url = base_url[:-3]
-        self.base_url = base_url
-        self.api_key = api_key
-        self.timeout = _timeout(timeout)
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-
-    # Request bodies -------------------------------------------------------------------------------------
-    @staticmethod
-    def _openai_body(key: str, value: Any, model: str | None, stream: bool, params: dict,
-                     **structured: Any) -> dict:
-        """structured: response_format, tools, tool_choice (left out when None)."""
-        body: dict[str, Any] = {key: value, **params, **{k: v for k, v in structured.items() if v is not None}}
-        if model is not None:
-            body["model"] = model
-        if stream:
-            body["stream"] = True
-            body.setdefault("stream_options", {"include_usage": True})
-        return body
-
-    @staticmethod
-    def _generate_body(text, input_ids, sampling_params, stream: bool, extra: dict) -> dict:
-        if (text is None) == (input_ids is None):
-            raise ValueError("pass exactly one of text and input_ids")
-        body: dict[str, Any] = {"text": text} if text is not None else {"input_ids": input_ids}
-        body["sampling_params"] = dict(sampling_params or {})
-        if stream:
-            body["stream"] = True
-        body.update(extra)
-        return body
-
-    @staticmethod
-    def _pin_body(messages, prompt, input_ids, ttl_seconds, cache_salt) -> dict:
-        given = {k: v for k, v in (("messages", messages), ("prompt", prompt), ("input_ids", input_ids))
-                 if v is not None}
-        if len(given) != 1:
-            raise ValueError("pass exactly one of messages, prompt and input_ids")
-        body = dict(given)
-        if ttl_seconds is not None:
-            body["ttl_seconds"] = ttl_seconds
-        if cache_salt is not None:
-            body["cache_salt"] = cache_salt
-        return body
-
-    @staticmethod
-    def _unpin_path(pin_id: str) -> str:
-        return "/v1/cache/pin/" + urllib.parse.quote(pin_id, safe="")
-
-    @staticmethod
-    def _flush_path(drop_pins: bool) -> str:
-        return "/flush_cache?drop_pins=true" if drop_pins else "/flush_cache"
-
-    def _url(self, path: str) -> str:
-        return self.base_url + path
-
-    def _request_timeout(self, timeout: float | httpx.Timeout | None) -> httpx.Timeout:
-        return self.timeout if timeout is None else _timeout(timeout)
-
-
-def _json_or_text(response: httpx.Response) -> Any:
-    try:
-        return response.json()
-    except ValueError:
-        return response.text
-
-
-class Client(_Base):
+class Client(ClientBase):
     """Synchronous client. `timeout` (seconds, or an httpx.Timeout) bounds connecting and each wait for data;
     every method also takes `timeout=` for one call. Use as a context manager or call `close()`."""
 
@@ -253,7 +176,7 @@ class Client(_Base):
     def flush_cache(self, drop_pins: bool = False) -> Any:
         """POST /flush_cache; the server's answer (JSON if it sent JSON, else text). Pinned prefixes stay cached
         unless drop_pins."""
-        return _json_or_text(self._send("POST", self._flush_path(drop_pins)))
+        return json_or_text(self._send("POST", self._flush_path(drop_pins)))
 
     # Pinned prefixes -------------------------------------------------------------------------------------
     def pin_prefix(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
@@ -276,139 +199,3 @@ class Client(_Base):
     def metrics_text(self) -> str:
         """GET /metrics: the Prometheus text exposition."""
         return self._send("GET", "/metrics").text
-
-
-class AsyncClient(_Base):
-    """The asyncio twin of Client (same methods, awaited; streams are async iterators). Use `async with` or
-    `await client.aclose()`."""
-
-    def __init__(self, base_url: str = "http://127.0.0.1:30000", api_key: str | None = None,
-                 timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT_S):
-        super().__init__(base_url, api_key, timeout)
-        self._http = httpx.AsyncClient(headers=self._headers, timeout=self.timeout)
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
-
-    async def __aenter__(self) -> "AsyncClient":
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self.aclose()
-
-    # Transport ------------------------------------------------------------------------------------------
-    async def _send(self, method: str, path: str, body: dict | None = None, timeout=None) -> httpx.Response:
-        url = self._url(path)
-        try:
-            response = await self._http.request(method, url, json=body, timeout=self._request_timeout(timeout))
-        except httpx.TransportError as e:
-            raise transport_error(e, url) from e
-        if response.status_code >= 400:
-            raise error_from_response(response)
-        return response
-
-    async def _stream(self, path: str, body: dict, to_chunks: Callable[[dict], list[StreamChunk]],
-                      timeout) -> AsyncStream:
-        url = self._url(path)
-        request = self._http.build_request("POST", url, json=body, timeout=self._request_timeout(timeout))
-        try:
-            response = await self._http.send(request, stream=True)
-        except httpx.TransportError as e:
-            raise transport_error(e, url) from e
-        if response.status_code >= 400:
-            try:
-                await response.aread()
-            except httpx.TransportError:
-                pass
-            finally:
-                await response.aclose()
-            raise error_from_response(response)
-
-        async def chunks() -> AsyncIterator[StreamChunk]:
-            try:
-                async for line in response.aiter_lines():
-                    payload = sse_data(line)
-                    if payload is None:
-                        continue
-                    data = decode_event(payload, response.status_code)
-                    if data is None:
-                        return
-                    for chunk in to_chunks(data):
-                        yield chunk
-            except httpx.TransportError as e:
-                raise transport_error(e, url) from e
-            finally:
-                await response.aclose()
-
-        return AsyncStream(chunks())
-
-    # OpenAI routes --------------------------------------------------------------------------------------
-    async def chat(self, messages: list[dict], model: str | None = None, stream: bool = False, *,
-                   response_format: dict | None = None, tools: list[dict] | None = None,
-                   tool_choice: str | dict | None = None, timeout: float | httpx.Timeout | None = None,
-                   **openai_params) -> ChatResult | AsyncStream:
-        body = self._openai_body("messages", messages, model, stream, openai_params, response_format=response_format,
-                                 tools=tools, tool_choice=tool_choice)
-        if stream:
-            return await self._stream("/v1/chat/completions", body, OpenAIChunks(chat=True), timeout)
-        response = await self._send("POST", "/v1/chat/completions", body, timeout)
-        return parse_openai(response.json(), chat=True)
-
-    async def completions(self, prompt: str | list, model: str | None = None, stream: bool = False, *,
-                          response_format: dict | None = None, timeout: float | httpx.Timeout | None = None,
-                          **openai_params) -> CompletionResult | AsyncStream:
-        body = self._openai_body("prompt", prompt, model, stream, openai_params, response_format=response_format)
-        if stream:
-            return await self._stream("/v1/completions", body, OpenAIChunks(chat=False), timeout)
-        response = await self._send("POST", "/v1/completions", body, timeout)
-        return parse_openai(response.json(), chat=False)
-
-    # Native route ---------------------------------------------------------------------------------------
-    async def generate(self, text: str | list[str] | None = None,
-                       input_ids: list[int] | list[list[int]] | None = None, sampling_params: dict | None = None,
-                       stream: bool = False, *, timeout: float | httpx.Timeout | None = None,
-                       **extra) -> GenerateResult | list[GenerateResult] | AsyncStream:
-        body = self._generate_body(text, input_ids, sampling_params, stream, extra)
-        if stream:
-            return await self._stream("/generate", body, NativeChunks(), timeout)
-        return parse_generate_body((await self._send("POST", "/generate", body, timeout)).json())
-
-    # Admin routes ---------------------------------------------------------------------------------------
-    async def models(self) -> list[Model]:
-        body = (await self._send("GET", "/v1/models")).json()
-        return [Model(m.get("id", ""), m.get("owned_by"), m.get("max_model_len"), m) for m in body.get("data", [])]
-
-    async def health(self, timeout: float | httpx.Timeout | None = None) -> bool:
-        try:
-            response = await self._http.get(self._url("/health"), timeout=self._request_timeout(timeout))
-        except httpx.TransportError:
-            return False
-        return response.status_code == 200
-
-    async def wait_until_ready(self, timeout: float = 120.0, interval: float = 0.2) -> None:
-        deadline = time.monotonic() + timeout
-        while not await self.health(timeout=min(5.0, max(0.1, deadline - time.monotonic()))):
-            if time.monotonic() >= deadline:
-                raise RadixServeTimeoutError(f"{self.base_url} not healthy after {timeout:.0f} s")
-            await asyncio.sleep(interval)
-
-    async def server_info(self) -> dict:
-        return (await self._send("GET", "/server_info")).json()
-
-    async def flush_cache(self, drop_pins: bool = False) -> Any:
-        return _json_or_text(await self._send("POST", self._flush_path(drop_pins)))
-
-    async def pin_prefix(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
-                         input_ids: list[int] | None = None, *, ttl_seconds: float | None = None,
-                         cache_salt: str | None = None, timeout: float | httpx.Timeout | None = None) -> dict:
-        body = self._pin_body(messages, prompt, input_ids, ttl_seconds, cache_salt)
-        return (await self._send("POST", "/v1/cache/pin", body, timeout)).json()
-
-    async def list_pins(self) -> list[dict]:
-        return (await self._send("GET", "/v1/cache/pins")).json()["data"]
-
-    async def unpin(self, pin_id: str) -> dict:
-        return (await self._send("DELETE", self._unpin_path(pin_id))).json()
-
-    async def metrics_text(self) -> str:
-        return (await self._send("GET", "/metrics")).text

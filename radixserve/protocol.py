@@ -247,6 +247,7 @@ class PinEntry(msgspec.Struct, array_like=True):
     num_tokens: int
     created_at: float  # wall clock (time.time())
     expires_at: float | None
+    replicas: list[int] = []  # --dp-size > 1: the replicas that hold it (scheduler_service/dp_pins.py)
 
 
 class PinsReply(msgspec.Struct, tag=True):

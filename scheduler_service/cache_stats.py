@@ -56,7 +56,7 @@ def cache_stats(scheduler, request_id: str) -> CacheStats:
 
 
 # What --dp-size > 1 sums over the replicas (the rest, settings, is the first replica's).
-COUNTS = ("num_running", "num_waiting", "kv_total", "kv_free", "kv_cached", "kv_in_use", "kv_pinned", "num_pins",
+COUNTS = ("num_running", "num_waiting", "kv_total", "kv_free", "kv_cached", "kv_in_use", "kv_pinned",
           "prompt_tokens_computed", "prompt_tokens_cached", "decode_tokens", "steps", "evicted_tokens",
           "hicache_capacity_tokens", "hicache_tokens", "hicache_hits", "hicache_loaded_tokens", "hicache_saved_tokens")
 
@@ -67,11 +67,22 @@ def merge_cache_numbers(replicas: list[dict]) -> dict:
     merged = {key: sum(r[key] for r in replicas) for key in COUNTS if all(key in r for r in replicas)}
     computed, hit = merged["prompt_tokens_computed"], merged["prompt_tokens_cached"]
     merged["cache_hit_rate"] = hit / (computed + hit) if computed + hit else 0.0
+    if all("num_pins" in r for r in replicas):
+        # Every pin is kept on every replica (scheduler_service/dp_pins.py): the server has as many as one replica.
+        merged["num_pins"] = max(r["num_pins"] for r in replicas)
     return merged
 
 
 def merge_cache_stats(request_id: str, replies: list[CacheStats]) -> CacheStats:
-    """--dp-size > 1: merged numbers, and the largest prefixes of all the replicas' trees."""
+    """--dp-size > 1: merged numbers, and the largest prefixes of all the replicas' trees; a prefix that several
+    replicas hold (a pinned system prompt is on every one) is listed once, with their hits summed."""
     numbers = {**replies[0].numbers, **merge_cache_numbers([r.numbers for r in replies])}
-    prefixes = sorted((p for r in replies for p in r.largest_prefixes), key=lambda p: p.num_tokens, reverse=True)
+    same: dict[tuple, CachedPrefix] = {}
+    for p in (p for r in replies for p in r.largest_prefixes):
+        key = (p.first_tokens, p.num_tokens, p.namespace)
+        seen = same.get(key)
+        same[key] = p if seen is None else CachedPrefix(p.first_tokens, p.num_tokens, seen.hits + p.hits,
+                                                         max(seen.last_use, p.last_use), seen.pinned or p.pinned,
+                                                         p.namespace)
+    prefixes = sorted(same.values(), key=lambda p: p.num_tokens, reverse=True)
     return CacheStats(request_id, numbers, prefixes[:LARGEST_PREFIXES])

@@ -1,9 +1,10 @@
 """The data-parallel controller process (--dp-size > 1), between the front end and the replicas' schedulers. It
 takes the scheduler's place on the front end's sockets: each new request goes to the replica the router picks
-(scheduler_service/dp_router.py), an abort to the replica running the request, /flush_cache and /server_info to all
-of them (one merged answer). Replies come back through here so that the router sees which requests finished, and
-the replicas' cache events keep its mirrors of their trees exact; outputs are passed on with the server's load
-(the sum of the replicas') in place of the replica's."""
+(scheduler_service/dp_router.py), an abort to the replica running the request, /flush_cache, /server_info and
+/v1/cache/stats to all of them (one merged answer), and the pin messages to all of them too: a pin is kept on every
+replica (scheduler_service/dp_pins.py). Replies come back through here so that the router sees which requests
+finished, and the replicas' cache events keep its mirrors of their trees exact; outputs are passed on with the
+server's load (the sum of the replicas') in place of the replica's."""
 
 from __future__ import annotations
 
@@ -20,12 +21,17 @@ from radixserve.protocol import (AbortRequest, BatchOutput, CacheEvents, FlushCa
 from radixserve.protocol import ListPinsRequest, PinPrefixRequest, PinsReply, UnpinPrefixRequest
 from radixserve.protocol import CacheStats, CacheStatsRequest
 from scheduler_service.cache_stats import merge_cache_numbers, merge_cache_stats
+from scheduler_service.dp_pins import ReplicatedPins
 from scheduler_service.dp_router import DataParallelRouter
 
 SUMMED = ("num_running", "num_waiting", "kv_total", "kv_free", "kv_evictable", "kv_protected", "kv_owned", "steps",
           "prefill_tokens_computed", "cached_prompt_tokens", "retractions")
 PER_REPLICA = ("num_running", "num_waiting", "kv_owned", "kv_protected", "prefill_tokens_computed",
-               "cached_prompt_tokens")
+               "cached_prompt_tokens", "kv_total", "kv_free", "kv_evictable", "kv_pinned", "num_pins",
+               "kv_invariant_ok")
+# The dashboard's numbers (/v1/cache/stats) also given per replica, as dp<i>_<name>.
+PER_REPLICA_CACHE = ("num_running", "num_waiting", "kv_total", "kv_free", "kv_cached", "kv_in_use", "kv_pinned",
+                     "num_pins", "cache_hit_rate", "prompt_tokens_cached", "prompt_tokens_computed", "evicted_tokens")
 
 
 class DataParallelController:
@@ -49,6 +55,8 @@ class DataParallelController:
         self.router = DataParallelRouter(args.dp_size, args.load_balance_method)
         self.replies: dict[str, dict[int, FlushCacheResult | ServerInfo]] = {}
         self.loads: list[SchedulerLoad | None] = [None] * args.dp_size
+        self.pins = ReplicatedPins(args.dp_size)
+        self.flushes_dropping_pins: set[str] = set()  # request ids of /flush_cache?drop_pins=true in flight
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -74,15 +82,11 @@ class DataParallelController:
             owner = self.router.owner.get(message.rid)
             for i in ([owner] if owner is not None else range(len(self.to_replicas))):
                 self.to_replicas[i].send(message)
-        elif isinstance(message, PinPrefixRequest):
-            # Each replica has its own tree: a pin would have to be computed and kept in every one of them.
-            self.to_front.send(PinsReply(message.request_id, 400, "pinned prefixes are not supported with "
-                                                                  "--dp-size > 1 (each replica has its own cache)"))
-        elif isinstance(message, ListPinsRequest):
-            self.to_front.send(PinsReply(message.request_id, 200))
-        elif isinstance(message, UnpinPrefixRequest):
-            self.to_front.send(PinsReply(message.request_id, 404, f"no pin with id {message.pin_id!r}"))
+        elif isinstance(message, (PinPrefixRequest, ListPinsRequest, UnpinPrefixRequest)):
+            self._pin_step(*self.pins.from_front(message))
         elif isinstance(message, (FlushCacheRequest, ServerInfoRequest, CacheStatsRequest)):
+            if isinstance(message, FlushCacheRequest) and not message.keep_pins:
+                self.flushes_dropping_pins.add(message.request_id)
             self.replies[message.request_id] = {}
             for channel in self.to_replicas:
                 channel.send(message)
@@ -106,8 +110,16 @@ class DataParallelController:
                 self.to_front.send(message)
             elif isinstance(message, CacheEvents):
                 self.router.replicas[i].apply(message)
+            elif isinstance(message, PinsReply):
+                self._pin_step(*self.pins.from_replica(i, message))
             else:
                 self._gather(i, message)
+
+    def _pin_step(self, sends: list, reply: PinsReply | None) -> None:
+        for i, message in sends:
+            self.to_replicas[i].send(message)
+        if reply is not None:
+            self.to_front.send(reply)
 
     def _gather(self, i: int, reply: FlushCacheResult | ServerInfo) -> None:
         replies = self.replies.get(reply.request_id)
@@ -119,10 +131,18 @@ class DataParallelController:
         del self.replies[reply.request_id]
         ordered = [replies[k] for k in range(len(self.to_replicas))]
         if isinstance(reply, CacheStats):
-            self.to_front.send(merge_cache_stats(reply.request_id, ordered))
+            merged = merge_cache_stats(reply.request_id, ordered)
+            for k, r in enumerate(ordered):
+                merged.numbers.update({f"dp{k}_{key}": r.numbers.get(key) for key in PER_REPLICA_CACHE})
+            merged.numbers["dp_size"] = len(ordered)
+            self.to_front.send(merged)
         elif isinstance(reply, FlushCacheResult):
             ok = all(r.success for r in ordered)
             why = "; ".join(f"replica {k}: {r.message}" for k, r in enumerate(ordered) if not r.success)
+            if reply.request_id in self.flushes_dropping_pins:
+                self.flushes_dropping_pins.discard(reply.request_id)
+                if ok:  # else the replicas that still hold pins keep them listed (dp_pins.py checks at each list)
+                    self.pins.dropped_all()
             self.to_front.send(FlushCacheResult(reply.request_id, ok, why))
         else:
             self.to_front.send(ServerInfo(reply.request_id, merge_server_info([r.info for r in ordered], self.args)))

@@ -18,7 +18,7 @@ worst, and close to linear when each request's own tokens are one leaf node belo
 
 Locking: every member holds a lock on its own last_node, and inc_lock_ref locks all its ancestors. So a group's
 node stays in the tree for as long as any member runs, and the caller needs no lock of its own. Splits made
-later by other inserts leave a member's path pointing at the same tokens (RadixCache._split keeps the lower
+later by other inserts leave a member's path pointing at the same tokens (tree_node.split_node keeps the lower
 part in place). Paths must be read when the batch is built.
 """
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from http_checks import assert_error_response
+from pin_checks import cached_tokens, pin, pins, prompt_ids
 from radixserve.client import Client, RadixServeError
 from radixserve.testing.tiny_models import tiny_model_dir
 from server_fixture import launched_server
@@ -22,12 +23,6 @@ POOL_TOKENS = 1024
 MAX_PINNED = 300
 SYSTEM = [{"role": "system", "content": "You are the pinned assistant of the radixserve tests."}]
 FLOOD_PROMPTS, FLOOD_TOKENS = 12, 150  # 1800 tokens through a 1024-token pool
-
-
-def prompt_ids(first: int, n: int) -> list[int]:
-    """n token ids starting with 100 + `first`: prompts that start differently share nothing in the tree (and
-    nothing with a chat prompt, which starts with a special token below 100)."""
-    return [100 + first] + [1000 + (first * 7 + i * 13) % 40000 for i in range(n - 1)]
 
 
 @pytest.fixture(scope="module")
@@ -43,24 +38,6 @@ def server(tmp_path_factory):
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as client:
         yield client
-
-
-def cached_tokens(http: httpx.Client, prompt: list[int], **fields) -> int:
-    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1, "temperature": 0, **fields})
-    assert response.status_code == 200, response.text
-    return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def pin(http: httpx.Client, **body) -> dict:
-    response = http.post("/v1/cache/pin", json=body)
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def pins(http: httpx.Client) -> dict[str, dict]:
-    response = http.get("/v1/cache/pins")
-    assert response.status_code == 200, response.text
-    return {p["id"]: p for p in response.json()["data"]}
 
 
 def flood(http: httpx.Client, first: int) -> None:

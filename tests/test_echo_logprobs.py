@@ -1,5 +1,6 @@
-"""`echo` on /v1/completions (with prompt-token logprobs) and `stream_options.continuous_usage_stats`, through a real
-server (`launch.py` on the CPU) with the official `openai` package.
+"""`echo` on /v1/completions (with prompt-token logprobs, TP=2 included) and on /v1/chat/completions (with
+continue_final_message), and `stream_options.continuous_usage_stats`, through a real server (`launch.py` on the CPU)
+with the official `openai` package.
 
 The prompt logprobs are checked against the engine's own sampled-token logprobs: the logprob the prefill gives a
 prompt token must be the one decoding gave that same token when it was generated. Prompts span several prefill
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from radixserve.testing import tiny_model_dir
+from radixserve.tokenizer_loading import load_tokenizer
 from server_fixture import launched_server
 
 CHUNK = 16
@@ -154,3 +156,128 @@ def test_a_priority_without_enable_priority_scheduling_is_a_400(server):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
         assert "--enable-priority-scheduling" in refused.json()["error"]["message"]
         assert httpx.post(f"{server.url}{path}", json={**body, "priority": 0}, timeout=60).status_code == 200
+
+
+def test_prompt_logprobs_with_tensor_parallelism_equal_those_of_one_rank(client, model, generated):
+    """--tp-size 2 (gloo): each rank holds half the vocabulary of the tied LM head, and the prompt rows go through
+    it a second time on every rank. The prompt spans four prefill chunks, so the carried row of a chunk's last
+    position is covered too."""
+    prompt = PROMPT_IDS + generated[0]
+    kw = dict(prompt=prompt, echo=True, logprobs=3, max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    one = client.completions.create(model=model, **kw).choices[0]
+    with launched_server(tiny_model_dir("llama"), "--chunked-prefill-size", str(CHUNK), "--tp-size", "2") as tp:
+        assert tp.server_info()["tp_size"] == 2
+        with openai.OpenAI(base_url=tp.openai_base_url, api_key="unused", max_retries=0, timeout=300) as tp_client:
+            two = tp_client.completions.create(model=model, **kw).choices[0]
+        tp.assert_idle_kv_invariant()
+    assert two.text == one.text
+    assert two.logprobs.tokens == one.logprobs.tokens and len(one.logprobs.tokens) == len(prompt) + 3
+    assert two.logprobs.token_logprobs[0] is None
+    assert two.logprobs.token_logprobs[1:] == pytest.approx(one.logprobs.token_logprobs[1:], abs=1e-4)
+    for got, want in zip(two.logprobs.top_logprobs[1:], one.logprobs.top_logprobs[1:]):
+        assert got.keys() == want.keys()
+        assert list(got.values()) == pytest.approx([want[k] for k in got], abs=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ chat echo
+# A client pre-fills the start of the reply as a final assistant message. continue_final_message renders that message
+# open, so the model goes on with it; echo puts it back in front of the generated content (non-streamed: in the
+# content; streamed: as its own delta right after the role), as vLLM does. A final message from any other role is
+# not echoed. The logprobs of an echoed chat are those of the generated tokens only: vLLM sends none for a chat's
+# prompt.
+
+PREFILL = "The answer is"
+QUESTION = [{"role": "user", "content": "What is six times seven?"}]
+PREFILLED = QUESTION + [{"role": "assistant", "content": PREFILL}]
+CONTINUE = {"continue_final_message": True, "add_generation_prompt": False}
+GREEDY = dict(max_tokens=6, temperature=0)
+
+
+def greedy_chat(client, model, messages, **extra):
+    """A greedy chat reply; extra: fields the openai package does not know (echo, ignore_eos, ...)."""
+    logprobs = extra.pop("logprobs", None)
+    kw = {"logprobs": logprobs} if logprobs is not None else {}
+    return client.chat.completions.create(model=model, messages=messages, **GREEDY, **kw,
+                                          extra_body={"ignore_eos": True, **extra})
+
+
+def test_continue_final_message_goes_on_with_the_prefilled_reply(client, model):
+    """The prompt ends inside the assistant's message (no end of turn, no new header): the completion of exactly
+    those tokens."""
+    reply = greedy_chat(client, model, PREFILLED, **CONTINUE)
+    tokenizer = load_tokenizer(tiny_model_dir("llama"))  # the server's own loader
+    ids = tokenizer.apply_chat_template(PREFILLED, continue_final_message=True, tokenize=True, return_dict=False)
+    assert tokenizer.decode(ids).endswith(PREFILL)
+    completion = client.completions.create(model=model, prompt=list(ids), **GREEDY, extra_body={"ignore_eos": True})
+    assert reply.choices[0].message.content == completion.choices[0].text
+    assert reply.usage.prompt_tokens == len(ids)
+
+
+def test_echo_puts_the_prefilled_reply_before_the_generated_content(client, model):
+    plain = greedy_chat(client, model, PREFILLED, **CONTINUE)
+    echoed = greedy_chat(client, model, PREFILLED, echo=True, **CONTINUE)
+    message = echoed.choices[0].message
+    assert message.role == "assistant"
+    assert message.content == PREFILL + plain.choices[0].message.content
+    assert echoed.usage.completion_tokens == plain.usage.completion_tokens == GREEDY["max_tokens"]
+    assert echoed.usage.prompt_tokens == plain.usage.prompt_tokens
+    # Without continue_final_message the reply is a new assistant turn after the given one: echoed all the same.
+    new_turn = greedy_chat(client, model, PREFILLED)
+    assert greedy_chat(client, model, PREFILLED, echo=True).choices[0].message.content == \
+        PREFILL + new_turn.choices[0].message.content
+
+
+def test_echo_of_a_final_user_message_adds_nothing(client, model):
+    plain = greedy_chat(client, model, QUESTION)
+    echoed = greedy_chat(client, model, QUESTION, echo=True)
+    assert echoed.choices[0].message.content == plain.choices[0].message.content
+    # Content parts of a final assistant message are joined as the template sees them (newlines, as vLLM).
+    parts = QUESTION + [{"role": "assistant", "content": [{"type": "text", "text": "The"},
+                                                          {"type": "text", "text": "answer"}]}]
+    reply = greedy_chat(client, model, parts, echo=True, **CONTINUE)
+    assert reply.choices[0].message.content.startswith("The\nanswer")
+
+
+def test_echo_with_logprobs_gives_the_generated_tokens_only(client, model):
+    plain = greedy_chat(client, model, PREFILLED, logprobs=True, top_logprobs=2, **CONTINUE)
+    echoed = greedy_chat(client, model, PREFILLED, logprobs=True, top_logprobs=2, echo=True, **CONTINUE)
+    got, want = echoed.choices[0].logprobs.content, plain.choices[0].logprobs.content
+    assert len(got) == len(want) == echoed.usage.completion_tokens
+    assert [e.token for e in got] == [e.token for e in want]
+    assert [e.logprob for e in got] == pytest.approx([e.logprob for e in want], abs=1e-5)
+    assert all(len(e.top_logprobs) == 2 for e in got)
+    # No prompt logprobs asked of the engine, so the prompt the previous request cached is used (unlike
+    # /v1/completions echo with logprobs, which computes its whole prompt).
+    assert echoed.usage.prompt_tokens_details.cached_tokens > 0
+
+
+@pytest.mark.parametrize("messages,prefix", [(PREFILLED, PREFILL), (QUESTION, "")], ids=["assistant", "user"])
+def test_streamed_echo_is_its_own_delta_after_the_role(client, model, messages, prefix):
+    extra = {"echo": True, **(CONTINUE if prefix else {})}
+    whole = greedy_chat(client, model, messages, **extra)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, **GREEDY, n=2, stream=True,
+                                                 logprobs=True, extra_body={"ignore_eos": True, **extra}))
+    for index in (0, 1):
+        deltas = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert deltas[0].delta.role == "assistant" and not deltas[0].delta.content
+        if prefix:
+            assert deltas[1].delta.content == prefix and deltas[1].logprobs is None
+        else:
+            assert deltas[1].logprobs is not None  # the first generated token's chunk
+        assert "".join(d.delta.content or "" for d in deltas) == whole.choices[0].message.content
+        generated = [e.token for d in deltas if d.logprobs for e in d.logprobs.content]
+        assert len(generated) == GREEDY["max_tokens"]
+
+
+def test_bad_chat_echo_fields_are_400s(server):
+    url = f"{server.url}/v1/chat/completions"
+    for body, param in [({"echo": "yes"}, "echo"),
+                        ({"continue_final_message": 1}, "continue_final_message"),
+                        ({"continue_final_message": True}, "continue_final_message"),  # with a generation prompt
+                        ({"continue_final_message": True, "chat_template_kwargs": {"add_generation_prompt": True},
+                          "add_generation_prompt": False}, "continue_final_message")]:
+        response = httpx.post(url, json={"messages": PREFILLED, "max_tokens": 1, **body}, timeout=60)
+        assert response.status_code == 400, (body, response.text)
+        assert response.json()["error"]["param"] == param, response.text
+    ok = httpx.post(url, json={"messages": PREFILLED, "max_tokens": 1, "echo": True, **CONTINUE}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"].startswith(PREFILL)

@@ -14,6 +14,7 @@ import torch
 from radixserve.cache.host_tier import HostTier, _last_writes
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.slot_allocator import TokenSlotAllocator
+from radixserve.cache.tree_node import path_tokens, subtree
 from radixserve.worker.kv_cache import HostKVCache, KVCache, _runs
 
 NUM_LAYERS = 2
@@ -80,8 +81,8 @@ class Harness:
         """Every cached token, on the device and on the host, holds the KV of its own prefix; both pools add up."""
         for tree, read in ((self.tree, self._device_kv), (self.tier.tree, self._host_kv)):
             tree.check_invariants()
-            for node in tree._subtree(*tree._roots.values()):
-                want = kv_of(tree._path_tokens(node))[-len(node):]
+            for node in subtree(*tree._roots.values()):
+                want = kv_of(path_tokens(node))[-len(node):]
                 np.testing.assert_array_equal(read(node.value), want, err_msg=f"{tree is self.tree} {node!r}")
         assert self.allocator.num_free + self.tree.total_size() == self.allocator.num_total
         self.tier.check_invariant(walk_tree=True)

@@ -5,8 +5,9 @@ reference model, per policy, is tests/test_radix_cache_control_model.py."""
 import numpy as np
 import pytest
 
-from radixserve.cache.radix_cache import PREFIX_PREVIEW_TOKENS, RadixCache
+from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.slot_allocator import TokenSlotAllocator
+from radixserve.cache.tree_inspection import PREFIX_PREVIEW_TOKENS
 
 
 def make(num_slots=100, policy="lru"):

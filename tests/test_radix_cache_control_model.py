@@ -13,6 +13,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.slot_allocator import TokenSlotAllocator
+from radixserve.cache.tree_node import path_tokens, subtree
 
 ALPHABET = 3  # small, so prefixes collide and nodes split often
 MAX_LEN = 8
@@ -245,8 +246,8 @@ class CacheControlMachine(RuleBasedStateMachine):
     @invariant()
     def every_node_carries_its_tokens_values(self):
         ref = self.ref
-        for node in self.cache._subtree(*self.cache._roots.values()):
-            path = tuple(self.cache._path_tokens(node).tolist())
+        for node in subtree(*self.cache._roots.values()):
+            path = tuple(path_tokens(node).tolist())
             for end in range(len(path) - len(node) + 1, len(path) + 1):
                 name = (node.namespace, path[:end])
                 assert (node.last_access, node.hit_count, node.priority, node.lock_ref, node.pin_ref) == (

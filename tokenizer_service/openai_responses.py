@@ -141,12 +141,16 @@ def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs], token_tex
 
 
 def chat_response(request_id: str, created: int, model: str, results: list[SequenceResult], usage: Usage,
-                  token_text: TokenText, want_logprobs: bool, tools=None) -> dict:
-    """tools: the request's structured_outputs.ChatTools, which splits a reply into content and tool_calls."""
+                  token_text: TokenText, want_logprobs: bool, tools=None, echo: str = "") -> dict:
+    """tools: the request's structured_outputs.ChatTools, which splits a reply into content and tool_calls. echo:
+    the pre-filled start of the reply (a chat's echo), before every choice's content; logprobs stay the generated
+    tokens' only."""
     choices = []
     for r in results:
         message, finish_reason = ({"role": "assistant", "content": r.text}, r.finish_reason) if tools is None \
             else tools.message(r.text, r.finish_reason)
+        if echo:
+            message["content"] = echo + (message.get("content") or "")
         choices.append({
             "index": r.index,
             "message": message,

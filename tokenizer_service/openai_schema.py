@@ -161,6 +161,12 @@ class ChatCompletionRequest(_OpenAIRequest, ChatStructuredFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the final message (the start of the reply, written by the client) rendered open, so the model goes on
+    # with it rather than starting a new turn; needs add_generation_prompt false.
+    continue_final_message: bool = False
+    # vLLM's: the reply's content starts with the final message's when that one is the assistant's (a pre-filled
+    # reply); without logprobs for it, as vLLM sends none for the prompt of a chat.
+    echo: bool = False
     chat_template_kwargs: dict[str, bool] | None = None  # e.g. {"enable_thinking": false} for Qwen3
 
     @field_validator("chat_template_kwargs", mode="before")
@@ -211,6 +217,11 @@ class ChatCompletionRequest(_OpenAIRequest, ChatStructuredFields):
     def effective_max_tokens(self) -> int | None:
         """None: until the context is full (the server fills it in)."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def echoed_text(self) -> str:
+        """What goes before the generated content with echo: the final message's text if it is the assistant's."""
+        last = self.messages[-1]
+        return last.text_content() if self.echo and last.role == "assistant" else ""
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as plain dicts with string content, for `tokenizer.apply_chat_template`."""

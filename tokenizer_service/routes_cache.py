@@ -7,6 +7,9 @@ A pin body names its tokens one of three ways: `messages` (rendered by the serve
 generation prompt, so that it is the exact token prefix of a chat request that starts with the same messages),
 `prompt` (text, or token ids) or `input_ids`. `cache_salt` pins in that tenant's namespace: only requests with the
 same salt hit it. These routes stay out of /openapi.json, like the other operator routes (routes_router.py).
+
+With --dp-size > 1 every pin is made on every replica, under one id (scheduler_service/dp_pins.py); `pinned_tokens`
+is then the most any one replica holds, the number --max-pinned-tokens bounds.
 """
 
 from __future__ import annotations
@@ -103,8 +106,11 @@ async def pin_token_ids(ctx: ServingContext, body: PinRequest) -> list[int]:
 
 
 def pin_json(pin: PinEntry) -> dict:
-    return {"id": pin.id, "object": "cache.pin", "num_tokens": pin.num_tokens, "cache_salt": pin.cache_salt,
+    body = {"id": pin.id, "object": "cache.pin", "num_tokens": pin.num_tokens, "cache_salt": pin.cache_salt,
             "created_at": pin.created_at, "expires_at": pin.expires_at}
+    if pin.replicas:  # --dp-size > 1: which replicas hold it (all of them, unless its TTL is running out)
+        body["replicas"] = pin.replicas
+    return body
 
 
 def _raise_unless_ok(reply: PinsReply) -> None:

@@ -31,6 +31,8 @@ async def _generate(ctx: ServingContext, request: Request, req: CompletionReques
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     echo_texts = _echo_texts(ctx, req, prompts) if not chat and req.echo else None
+    if chat and req.echoed_text():
+        echo_texts = [req.echoed_text()]  # the one prompt's: a pre-filled start of the reply
     group = submit(ctx, request_id, prompts, n, arrival, cache_salt=req.cache_salt, priority=req.priority)
     if req.stream:
         options = req.stream_options
@@ -43,7 +45,7 @@ async def _generate(ctx: ServingContext, request: Request, req: CompletionReques
     results = await collect(request, group)
     if chat:
         return JSONResponse(R.chat_response(request_id, created, ctx.model_name, results, group.usage(),
-                                            ctx.token_text, want_logprobs, tools))
+                                            ctx.token_text, want_logprobs, tools, echo_texts[0] if echo_texts else ""))
     echoes = None
     if echo_texts is not None:
         echoes = {seq.index: R.echo_of(echo_texts[seq.prompt_index], seq.prompt_ids, seq.prompt_logprobs)

@@ -120,7 +120,8 @@ class OpenAIStream:
     def __init__(self, chat: bool, token_text: Callable[[int], str], tools=None,
                  echo_texts: list[str] | None = None, continuous_usage: bool = False):
         """echo_texts (completions with echo): each prompt's text, by prompt index, sent before its choices' first
-        tokens; continuous_usage: every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)."""
+        tokens; for chat, the pre-filled start of the reply, sent as its own delta after the role. continuous_usage:
+        every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)."""
         self.chat, self.token_text = chat, token_text
         self.tools = tools  # chat: structured_outputs.ChatTools, which turns tool-call text into tool_calls deltas
         self.echo_texts = echo_texts
@@ -134,11 +135,17 @@ class OpenAIStream:
         return R.usage_json(Usage(len(seq.prompt_ids), seq.completion_tokens, seq.cached_tokens))
 
     def preamble(self, request_id, created, model, group: RequestGroup, include_usage: bool) -> list[dict]:
-        # Chat sends the role first, before any token, as OpenAI and vLLM do.
+        # Chat sends the role first, before any token, as OpenAI and vLLM do; then, with echo, the pre-filled start
+        # of the reply (vLLM's order).
         if not self.chat:
             return []
-        return [R.chat_chunk(request_id, created, model, seq.index, {"role": "assistant", "content": ""}, None, None,
-                             include_usage, usage=self.choice_usage(seq)) for seq in group.sequences]
+        chunks = [R.chat_chunk(request_id, created, model, seq.index, {"role": "assistant", "content": ""}, None,
+                               None, include_usage, usage=self.choice_usage(seq)) for seq in group.sequences]
+        if self.echo_texts:
+            chunks += [R.chat_chunk(request_id, created, model, seq.index,
+                                    {"content": self.echo_texts[seq.prompt_index]}, None, None, include_usage,
+                                    usage=self.choice_usage(seq)) for seq in group.sequences]
+        return chunks
 
     def chunk(self, request_id, created, model, out: SequenceOutput, seq: Sequence, want_logprobs: bool,
               include_usage: bool) -> dict:

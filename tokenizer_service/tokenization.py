@@ -117,4 +117,9 @@ class Tokenization:
         self.check_chars(sum(len(m["content"]) + len(m.get("name") or "") for m in messages), "messages")
         options = {**dict(req.chat_template_kwargs or {}), **tool_options}
         add_generation_prompt = options.pop("add_generation_prompt", req.add_generation_prompt)
+        if req.continue_final_message:
+            if add_generation_prompt:  # a new turn's header after an open final message: no template means that
+                raise RequestError("continue_final_message needs add_generation_prompt to be false",
+                                   param="continue_final_message")
+            options["continue_final_message"] = True
         return await self._run(self._render_chat, messages, add_generation_prompt, options)

@@ -38,8 +38,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from radixserve.cache.radix_cache import MatchResult, RadixCache
+from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.slot_allocator import TokenSlotAllocator
+from radixserve.cache.tree_node import MatchResult
 
 # Below this many extra tokens, computing them is about as cheap as copying them in (one more batched chunk).
 MIN_LOAD_TOKENS = 32

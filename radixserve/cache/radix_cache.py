@@ -12,64 +12,25 @@ Pins (an operator's system prompts) hold a path like a lock does, but until unpi
 
 Ownership: slots stored in the tree belong to the tree; it gives them back to the allocator on
 eviction, on reset, and when an insert brings duplicates of tokens it already holds.
+
+This file keeps the tree's bookkeeping (sizes, clock, eviction order, namespaces, pins) in step with every change.
+The node and what is done to one node alone (split, path, subtree) are in tree_node.py; the read-only walks over
+the whole tree (the invariant audit, the dashboard's largest prefixes) in tree_inspection.py.
 """
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
-from collections import Counter
-from typing import NamedTuple
 
 import numpy as np
 
+from radixserve.cache import tree_inspection
 from radixserve.cache.eviction_policy import EvictableLeaves
 from radixserve.cache.pins import PinInfo, PinRegistry
 from radixserve.cache.slot_allocator import TokenSlotAllocator
-
-_EMPTY = np.zeros(0, dtype=np.int32)
-PREFIX_PREVIEW_TOKENS = 32  # token ids largest_prefixes returns per prefix, enough to show its first words
-
-
-class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "namespace", "lock_ref", "pin_ref", "last_access",
-                 "last_use_time", "hit_count", "priority", "id")
-
-    _ids = itertools.count()
-
-    def __init__(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None, namespace: str | None):
-        self.key = key  # int32 token ids of this edge
-        self.value = value  # int32 KV slots, one per token of `key`
-        self.children: dict[int, TreeNode] = {}  # keyed by the child's first token
-        self.parent = parent  # None for a namespace's root (and for a node once evicted)
-        self.namespace = namespace
-        self.lock_ref = 0  # running requests whose cached prefix passes through this node
-        self.pin_ref = 0  # pins whose path passes through this node
-        self.last_access = 0  # logical clock of the last match or insert through it (orders "lru")
-        self.last_use_time = 0.0  # the same moment on the wall clock, for people
-        self.hit_count = 0  # matches that ran through it (orders "lfu")
-        self.priority = 0  # highest priority of the requests that inserted or matched it (orders "priority")
-        self.id = next(TreeNode._ids)  # heap tie-break; nodes themselves are not orderable
-
-    def __len__(self) -> int:
-        return len(self.key)
-
-    def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, pin_ref={self.pin_ref}, "
-                f"children={len(self.children)})")
-
-
-class MatchResult(NamedTuple):
-    slots: np.ndarray  # int32 KV slots of the matched prefix
-    last_node: TreeNode  # the node ending exactly at the match (its namespace's root when nothing matched)
-
-
-def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(len(a), len(b))
-    mismatch = a[:n] != b[:n]
-    first = int(mismatch.argmax())
-    return first if mismatch[first] else n
+from radixserve.cache.tree_node import (EMPTY, MatchResult, TreeNode, common_prefix_len, path_tokens, split_node,
+                                        subtree)
 
 
 class RadixCache:
@@ -108,7 +69,7 @@ class RadixCache:
         stream of lookups with new salts leaves nothing behind)."""
         root = self._roots.get(namespace)
         if root is None:
-            root = TreeNode(_EMPTY, _EMPTY, None, namespace)
+            root = TreeNode(EMPTY, EMPTY, None, namespace)
             root.lock_ref = 1  # never evicted nor counted: a permanent lock keeps it out of every leaf check
             if create:
                 self._roots[namespace] = root
@@ -131,7 +92,7 @@ class RadixCache:
             pos += len(node.key)
         if pos != len(tokens):
             raise ValueError("peek_slots: the tokens do not end on a node boundary")
-        return np.concatenate(parts) if parts else _EMPTY.copy()
+        return np.concatenate(parts) if parts else EMPTY.copy()
 
     def match_prefix(self, tokens, namespace: str | None = None, priority: int = 0, *,
                      record_hit: bool = True) -> MatchResult:
@@ -144,11 +105,11 @@ class RadixCache:
         """
         tokens = np.asarray(tokens, dtype=np.int32)
         if self.disable:
-            return MatchResult(_EMPTY, self.root)
+            return MatchResult(EMPTY, self.root)
         root = self._root(namespace, create=False)
         path, _ = self._walk(root, tokens, priority, record_hit)
         # Always a fresh array: the caller may write into it; the tree's values must not change.
-        slots = np.concatenate([n.value for n in path]) if path else _EMPTY.copy()
+        slots = np.concatenate([n.value for n in path]) if path else EMPTY.copy()
         return MatchResult(slots, path[-1] if path else root)
 
     def insert(self, tokens, slots, namespace: str | None = None, priority: int = 0) -> int:
@@ -260,7 +221,7 @@ class RadixCache:
                     break
                 parent = node.parent
                 report = self.listener is not None and node.namespace is None
-                path = self._path_tokens(node) if report or self.evict_hook is not None else None
+                path = path_tokens(node) if report or self.evict_hook is not None else None
                 del parent.children[int(node.key[0])]
                 node.parent = None
                 freed_slots.append(node.value)
@@ -289,7 +250,7 @@ class RadixCache:
             raise RuntimeError(f"reset() while {self.locked_size} cached tokens are locked by running requests")
         if not keep_pins:
             self._pins.clear()
-            for node in self._subtree(*self._roots.values()):
+            for node in subtree(*self._roots.values()):
                 node.pin_ref = 0
             self.pinned_size = 0
         freed = []
@@ -303,7 +264,7 @@ class RadixCache:
                     else:
                         del node.children[first]
                         child.parent = None
-                        freed += [child.value] + [n.value for n in self._subtree(child)]
+                        freed += [child.value] + [n.value for n in subtree(child)]
         # Everything left is pinned, so nothing is evictable.
         self._roots = {ns: r for ns, r in self._roots.items() if r.children or ns is None}
         self.evictable_size = 0
@@ -311,91 +272,23 @@ class RadixCache:
         self._leaves.clear()
         if self.listener is not None:
             self.listener.cleared()
-            for node in self._subtree(self.root):
+            for node in subtree(self.root):
                 if not node.children:
-                    self.listener.inserted(self._path_tokens(node))
+                    self.listener.inserted(path_tokens(node))
         if freed:
             self.allocator.free(np.concatenate(freed))
 
-    # ---------------------------------------------------------------- dashboard
+    # ---------------------------------------------------------------- whole-tree reads (tree_inspection.py)
 
     def largest_prefixes(self, k: int) -> list[dict]:
-        """The k cached prefixes with the most tokens, across namespaces. A prefix is the path from a root to a
-        node where cached sequences end or part: a leaf, a node with >= 2 children, or the end of a pin. Each:
-        tokens (its first PREFIX_PREVIEW_TOKENS ids), num_tokens, hits and last_use (of its last node: a hit
-        there ran through the whole prefix), pinned, namespace."""
-        pin_ends = {node for _, node in self._pins.entries()}
-        ends = []  # (num_tokens, node id, node)
-        for root in self._roots.values():
-            stack = [(root, 0)]
-            while stack:
-                node, depth = stack.pop()
-                for child in node.children.values():
-                    d = depth + len(child)
-                    if len(child.children) != 1 or child in pin_ends:
-                        ends.append((d, child.id, child))
-                    stack.append((child, d))
-        return [{"tokens": self._path_tokens(node)[:PREFIX_PREVIEW_TOKENS].tolist(), "num_tokens": d,
-                 "hits": node.hit_count, "last_use": node.last_use_time, "pinned": node.pin_ref > 0,
-                 "namespace": node.namespace}
-                for d, _, node in heapq.nlargest(k, ends)]
-
-    # ---------------------------------------------------------------- checks
+        """The k cached prefixes with the most tokens, across namespaces (the dashboard)."""
+        return tree_inspection.largest_prefixes(self, k)
 
     def check_invariants(self) -> None:
         """Walk the whole tree and verify every bookkeeping field (tests and idle-time audits only)."""
-        assert self._roots.get(None) is self.root, "the default namespace lost its root"
-        for ns, root in self._roots.items():
-            assert root.parent is None and root.namespace == ns and root.lock_ref == 1 and root.pin_ref == 0, (
-                f"root of namespace {ns!r} is damaged: {root!r}")
-        pins_through: Counter = Counter()
-        for info, node in self._pins.entries():
-            pin_id = info.id
-            assert info.namespace == node.namespace, f"pin {pin_id} ends in another namespace"
-            depth = 0
-            while node.parent is not None:
-                pins_through[node] += 1
-                depth += len(node)
-                node = node.parent
-            assert node is self._roots.get(info.namespace), f"pin {pin_id} hangs off no root of its namespace"
-            assert depth == info.num_tokens, f"pin {pin_id} covers {depth} tokens, not {info.num_tokens}"
-        evictable = protected = locked = pinned = 0
-        leaves, slots = set(), []
-        for node in self._subtree(*self._roots.values()):
-            assert len(node.key) == len(node.value) > 0, f"{node!r}: empty or mismatched key/value"
-            assert node.parent.children.get(int(node.key[0])) is node, f"{node!r}: not its parent's child"
-            assert node.namespace == node.parent.namespace, f"{node!r}: in another namespace than its parent"
-            assert node.lock_ref >= 0, f"{node!r}: negative lock_ref"
-            locked_below = max((c.lock_ref for c in node.children.values()), default=0)
-            assert node.lock_ref >= locked_below, f"{node!r}: lock_ref below a child's"
-            assert node.pin_ref == pins_through[node], f"{node!r}: {pins_through[node]} pins pass through it"
-            locked += len(node) if node.lock_ref else 0
-            pinned += len(node) if node.pin_ref else 0
-            if node.lock_ref or node.pin_ref:
-                protected += len(node)
-            else:
-                evictable += len(node)
-                if not node.children:
-                    leaves.add(node)
-            slots.append(node.value)
-        kept = (self.evictable_size, self.protected_size, self.locked_size, self.pinned_size)
-        assert (evictable, protected, locked, pinned) == kept, (
-            f"sizes drifted: counted evictable/protected/locked/pinned={evictable}/{protected}/{locked}/{pinned}, "
-            f"kept {'/'.join(map(str, kept))}")
-        all_slots = np.concatenate(slots) if slots else _EMPTY
-        assert len(np.unique(all_slots)) == len(all_slots), "a KV slot is cached under two tokens"
-        assert leaves == set(self._leaves), "evictable-leaf set out of sync with the tree"
-        self._leaves.check()
+        tree_inspection.check_invariants(self)
 
     # ---------------------------------------------------------------- internals
-
-    def _subtree(self, *tops: TreeNode):
-        """Every node below the given nodes (they themselves excluded)."""
-        stack = [child for top in tops for child in top.children.values()]
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
 
     def _walk(self, root: TreeNode, tokens: np.ndarray, priority: int | None, record_hit: bool) -> tuple[list, int]:
         """The nodes that tokens run through from root, in order, each wholly matched: a node matched only in
@@ -407,9 +300,9 @@ class RadixCache:
             child = node.children.get(int(tokens[pos]))
             if child is None:
                 break
-            matched = _common_prefix_len(child.key, tokens[pos:])
+            matched = common_prefix_len(child.key, tokens[pos:])
             if matched < len(child.key):
-                child = self._split(child, matched)
+                child = split_node(child, matched)
             node = child
             node.last_access, node.last_use_time = now, wall
             if priority is not None:
@@ -421,29 +314,6 @@ class RadixCache:
             # starts with the token that mismatched.
             pos += matched
         return path, now
-
-    def _path_tokens(self, node: TreeNode) -> np.ndarray:
-        """The tokens from the root down to the end of node."""
-        keys = []
-        while node.parent is not None:
-            keys.append(node.key)
-            node = node.parent
-        return np.concatenate(keys[::-1]) if keys else _EMPTY
-
-    def _split(self, node: TreeNode, at: int) -> TreeNode:
-        """Cut node after `at` tokens; returns the new upper part. The original object keeps the
-        lower part so that references held by running requests and pins (their last node) still end
-        at the same token. Counts and sizes are unchanged: both parts inherit every field."""
-        upper = TreeNode(node.key[:at].copy(), node.value[:at].copy(), node.parent, node.namespace)
-        for field in ("lock_ref", "pin_ref", "last_access", "last_use_time", "hit_count", "priority"):
-            setattr(upper, field, getattr(node, field))
-        # Copies, not views, so the upper part does not pin the old arrays after the lower is evicted.
-        node.key = node.key[at:].copy()
-        node.value = node.value[at:].copy()
-        upper.parent.children[int(upper.key[0])] = upper
-        upper.children[int(node.key[0])] = node
-        node.parent = upper
-        return upper
 
     def _add_refs(self, node: TreeNode, lock: int = 0, pin: int = 0) -> None:
         """Add lock and pin references to node and each ancestor below its root, moving their tokens between
