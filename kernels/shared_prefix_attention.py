@@ -40,28 +40,30 @@ import triton
 import triton.language as tl
 
 from kernels import triton_attention
-from kernels.triton_attention import _LOG2E, _dot_precision, _online_softmax_block
+from kernels.triton_common import (LOG2E, MERGE_BLOCK_S, assert_last_dim_contiguous, dot_precision, jit,
+                                   merge_partials_block, online_softmax_block, power_of_two_at_most, sm_count,
+                                   split_capacity)
 
 
-# Split counts and offsets are runtime ints, not compile-time constants, and exempt from Triton's specialisation on
-# value; the group tables' pointers are exempt from alignment specialisation. All of these change with the batch's
-# size, its groups and the longest context, and each new combination would be a compile of a second or more in the
-# middle of serving (suspected cause of H100 W1 runs taking up to 3x their median: bench/results/).
-@triton_attention.jit(do_not_specialize=["num_splits", "prefix_splits"],
-                      unaligned=["Req_pool_indices", "Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
+# Split counts, offsets and whether the merge is fused are runtime ints, exempt from Triton's specialisation on value;
+# the group tables' pointers are exempt from alignment specialisation. All of these change with the batch's size, its
+# groups and the longest context, and each new combination would be a compile of a second or more in the middle of
+# serving (suspected cause of H100 W1 runs taking up to 3x their median: bench/results/; bench/kernel_variants.py).
+@jit(do_not_specialize=["num_splits", "prefix_splits", "fused"],
+     unaligned=["Req_pool_indices", "Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
 def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Suffix_start,
                          Mid_o, Mid_lse, O, Req_group, Group_prefix_lens, qk_scale,
                          stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
                          stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                         num_splits, prefix_splits,
+                         num_splits, prefix_splits, fused,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, FUSED_MERGE: tl.constexpr,
-                         PREFIX_BLOCK_N: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr):
     # triton_attention's decode split kernel, shifted to start at the request's own tokens.
-    # FUSED_MERGE (one split only): the prefix kernel has already run, and this program folds the
-    # group's prefix slices into its own running softmax and writes o itself: no merge launch, and
-    # the suffix part never goes through memory.
+    # fused (one split only): the prefix kernel has already run, and this program folds the group's
+    # prefix slices into its own running softmax and writes o itself: no merge launch, and the suffix
+    # part never goes through memory. A runtime branch, not a constexpr: which path a step takes
+    # follows its batch size, and one binary serves both.
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -71,9 +73,8 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
     split_len = tl.cdiv(tl.cdiv(own_len, num_splits), BLOCK_N) * BLOCK_N
     start = first + split * split_len
     end = tl.minimum(start + split_len, first + own_len)
-    if not FUSED_MERGE:
-        if start >= end:
-            return  # the merge recomputes these bounds and skips this split
+    if start >= end:
+        return  # the merge recomputes these bounds and skips this split (never the one split of a fused step)
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
@@ -96,10 +97,10 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
                     mask=kv_mask, other=0.0)
         v = tl.load(V_cache + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
                     mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
-                                              True, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
+                                             True, DOT_PRECISION)
 
-    if FUSED_MERGE:
+    if fused != 0:
         group = tl.load(Req_group + req)
         prefix_len = tl.load(Group_prefix_lens + tl.maximum(group, 0))
         prefix_len = tl.where(group >= 0, prefix_len, 0)
@@ -126,8 +127,8 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
         tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
 
 
-@triton_attention.jit(do_not_specialize=["first_split", "num_splits"],
-                      unaligned=["Group_prefix_lens", "Group_prefix_rows", "Group_member_start", "Group_members"])
+@jit(do_not_specialize=["first_split", "num_splits"],
+     unaligned=["Group_prefix_lens", "Group_prefix_rows", "Group_member_start", "Group_members"])
 def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_prefix_rows, Group_member_start,
                    Group_members, Mid_o, Mid_lse, qk_scale,
                    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
@@ -177,8 +178,8 @@ def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_p
                     mask=kv_mask, other=0.0)
         v = tl.load(V_cache + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
                     mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
-                                              True, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
+                                             True, DOT_PRECISION)
 
     slot = first_split + split
     out_ptr = Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + slot * stride_mos + dims[None, :]
@@ -186,14 +187,14 @@ def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_p
     tl.store(Mid_lse + reqs * stride_mlb + heads * stride_mlh + slot, m_i + tl.log2(l_i), mask=row_ok)
 
 
-@triton_attention.jit(do_not_specialize=["suffix_splits", "prefix_splits"],
-                      unaligned=["Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
+@jit(do_not_specialize=["suffix_splits", "prefix_splits"],
+     unaligned=["Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
 def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_prefix_lens,
                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
                   suffix_splits, prefix_splits,
                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
                   SUFFIX_BLOCK_N: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr):
-    # One log-sum-exp reduction over the suffix splits and the group's prefix slices together.
+    # One log-sum-exp reduction over the suffix splits and the group's prefix slices together, BLOCK_S at a time.
     req = tl.program_id(0)
     head = tl.program_id(1)
     own_len = tl.load(Seq_lens + req) - tl.load(Suffix_start + req)
@@ -201,28 +202,32 @@ def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_pr
     prefix_len = tl.load(Group_prefix_lens + tl.maximum(group, 0))
     prefix_len = tl.where(group >= 0, prefix_len, 0)
 
-    splits = tl.arange(0, BLOCK_S)
     suffix_split_len = tl.cdiv(tl.cdiv(own_len, suffix_splits), SUFFIX_BLOCK_N) * SUFFIX_BLOCK_N
     prefix_split_len = tl.cdiv(tl.cdiv(prefix_len, prefix_splits), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
-    is_suffix = splits < suffix_splits
-    live = tl.where(is_suffix, splits * suffix_split_len < own_len,
-                    (splits < suffix_splits + prefix_splits)
-                    & ((splits - suffix_splits) * prefix_split_len < prefix_len))
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    # Dead splits were never written (this step or any other): masked loads keep them out of the sum.
-    lse = tl.load(Mid_lse + req * stride_mlb + head * stride_mlh + splits, mask=live, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(Mid_o + req * stride_mob + head * stride_moh + splits[:, None] * stride_mos + dims[None, :],
-                   mask=live[:, None] & dim_ok[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
-    tl.store(O + req * stride_ob + head * stride_oh + dims, out.to(O.dtype.element_ty), mask=dim_ok)
+    lse_base = Mid_lse + req * stride_mlb + head * stride_mlh
+    part_base = Mid_o + req * stride_mob + head * stride_moh
+    # Suffix split 0 is never empty (own_len >= 1), so the running max is finite after the first tile.
+    m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, suffix_splits + prefix_splits, BLOCK_S):
+        splits = s0 + tl.arange(0, BLOCK_S)
+        live = tl.where(splits < suffix_splits, splits * suffix_split_len < own_len,
+                        (splits < suffix_splits + prefix_splits)
+                        & ((splits - suffix_splits) * prefix_split_len < prefix_len))
+        m_i, l_i, acc = merge_partials_block(lse_base, part_base, stride_mos, splits, live, dims, dim_ok,
+                                             m_i, l_i, acc)
+    tl.store(O + req * stride_ob + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)
 
 
-# The prefix tile is a prefill tile with few rows; BLOCK_M shrinks to the rows a group has (members x
-# GQA heads) so that small groups waste no MMA rows. 16-bit values and the 512-token slices below come
-# from the sweep of bench/shared_prefix_kernel_bench.py --tune on an H100
-# (bench/results/shared-prefix-kernel-h100.md): fewer, longer slices halve the partials written and read.
+# The prefix tile is a prefill tile with few rows. Its BLOCK_M is the same for every group size: sized to the
+# rows of the batch's largest group (members x GQA heads), each size class met mid-run was a compile there
+# (bench/kernel_variants.py), while the rows a small group leaves empty cost MMA work that a memory-bound tile hides
+# (estimated on an H100: a 64 x 64 x 128 bf16 tile is ~0.3-0.5 us of MMA per SM, streaming its 32 KB of K/V ~1.3 us).
+# 16-bit values and the 512-token slices below come from the sweep of bench/shared_prefix_kernel_bench.py --tune on
+# an H100 (bench/results/shared-prefix-kernel-h100.md): fewer, longer slices halve the partials written and read.
 PREFIX_CONFIG = {
     "16bit": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
     "fp32": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
@@ -232,21 +237,18 @@ PREFIX_CONFIG = {
 PREFIX_SPLITS = {"programs_per_sm": 4, "min_split_tokens": 512, "max_splits": 64}
 
 
-def prefix_config(dtype, device, rows):
+def prefix_config(dtype, device):
     if device.type != "cuda":
-        cfg = dict(PREFIX_CONFIG["interpret"])
-    else:
-        cfg = dict(PREFIX_CONFIG["fp32" if dtype == torch.float32 else "16bit"])
-    cfg["BLOCK_M"] = max(16, min(cfg["BLOCK_M"], triton.next_power_of_2(max(1, rows))))
-    return cfg
+        return PREFIX_CONFIG["interpret"]
+    return PREFIX_CONFIG["fp32" if dtype == torch.float32 else "16bit"]
 
 
 def prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device):
     cfg = PREFIX_SPLITS
-    target = cfg["programs_per_sm"] * triton_attention._sm_count(device)
+    target = cfg["programs_per_sm"] * sm_count(device)
     splits = triton.cdiv(target, max(1, num_groups * num_kv_heads * m_blocks))
     splits = min(splits, triton.cdiv(max(1, max_prefix_len), cfg["min_split_tokens"]), cfg["max_splits"])
-    return triton_attention.power_of_two_at_most(splits)
+    return power_of_two_at_most(splits)
 
 
 def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
@@ -263,13 +265,13 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
         triton_attention.decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
                                           sm_scale, max_seq_len)
         return
-    triton_attention._assert_last_dim_contiguous(q, k_cache, v_cache, o)
+    assert_last_dim_contiguous(q, k_cache, v_cache, o)
     assert req_to_token.stride(1) == 1
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
-    precision = _dot_precision(q.dtype)
+    precision = dot_precision(q.dtype)
     suffix_cfg = triton_attention.decode_config(q.dtype, q.device)
-    pcfg = dict(prefix_config(q.dtype, q.device, max_group_size * group), **(config or {}))
+    pcfg = dict(prefix_config(q.dtype, q.device), **(config or {}))
     m_blocks = triton.cdiv(max(1, max_group_size * group), pcfg["BLOCK_M"])
     s_splits = num_suffix_splits or triton_attention.decode_num_splits(bsz, hkv, max_seq_len, q.device)
     p_splits = num_prefix_splits or prefix_num_splits(num_groups, hkv, m_blocks, max_prefix_len, q.device)
@@ -279,10 +281,10 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     total = first_prefix_split + p_splits
 
     mid_o = torch.empty((bsz, hq, total, d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((bsz, hq, total), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((bsz, hq, split_capacity(total)), dtype=torch.float32, device=q.device)
     mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
-    qk_scale = sm_scale * _LOG2E
+    qk_scale = sm_scale * LOG2E
 
     # The prefix goes first: a fused suffix kernel reads its slices.
     _prefix_kernel[(m_blocks, num_groups * hkv, p_splits)](
@@ -297,9 +299,9 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, req_suffix_start, mid_o, mid_lse,
         o, req_group, group_prefix_lens, qk_scale,
         q.stride(0), q.stride(1), *cache_strides, req_to_token.stride(0), *mid_strides, o.stride(0), o.stride(1),
-        s_splits, p_splits, GROUP=group, HEAD_DIM=d,
+        s_splits, p_splits, int(fused), GROUP=group, HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=suffix_cfg["BLOCK_N"],
-        DOT_PRECISION=precision, FUSED_MERGE=fused, PREFIX_BLOCK_N=pcfg["BLOCK_N"],
+        DOT_PRECISION=precision, PREFIX_BLOCK_N=pcfg["BLOCK_N"],
         num_warps=suffix_cfg["num_warps"], num_stages=suffix_cfg["num_stages"],
     )
     if fused:
@@ -307,7 +309,7 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     _merge_kernel[(bsz, hq)](
         mid_o, mid_lse, o, seq_lens, req_suffix_start, req_group, group_prefix_lens,
         *mid_strides, o.stride(0), o.stride(1), s_splits, p_splits,
-        HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(total),
-        BLOCK_D=block_d, SUFFIX_BLOCK_N=suffix_cfg["BLOCK_N"], PREFIX_BLOCK_N=pcfg["BLOCK_N"],
+        HEAD_DIM=d, BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d, SUFFIX_BLOCK_N=suffix_cfg["BLOCK_N"],
+        PREFIX_BLOCK_N=pcfg["BLOCK_N"],
         num_warps=1 if block_d <= 64 else 2,
     )

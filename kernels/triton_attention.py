@@ -10,36 +10,18 @@ per score. Accumulation is fp32; for fp32 inputs the dots are asked for IEEE pre
 Triton would otherwise use tf32 and miss the 1e-4 tolerance.
 
 Block sizes, warps, stages and the decode split policy were chosen by the sweeps of
-bench/kernel_bench.py on an H100 (bench/results/kernels-h100*.md).
+bench/kernel_bench.py on an H100 (bench/results/kernels-h100*.md). What the attention kernels share
+(the online-softmax step, the split merge, the jit decorator that keeps values following the batch's
+makeup out of Triton's specialization key) is in kernels/triton_common.py.
 """
-
-import inspect
 
 import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-
-
-def jit(do_not_specialize=(), unaligned=()):
-    """triton.jit that specialises neither the named ints on their value nor the named pointers on 16-byte alignment.
-    Batch metadata (request rows, lengths, group tables) arrives as slices at offsets that follow the batch's makeup,
-    and each new alignment pattern was a new compiled variant: a compile of a second or more in the middle of serving.
-    Older Triton releases without alignment control just specialise as before."""
-    kwargs = {"do_not_specialize": list(do_not_specialize)} if do_not_specialize else {}
-    if unaligned and "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
-        kwargs["do_not_specialize_on_alignment"] = list(unaligned)
-    return triton.jit(**kwargs)
-
-
-def _dot_precision(dtype):
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def _assert_last_dim_contiguous(*tensors):
-    for t in tensors:
-        assert t.stride(-1) == 1, "kernels need the head_dim axis contiguous (stride 1)"
+from kernels.triton_common import (LOG2E, MERGE_BLOCK_S, assert_last_dim_contiguous, dot_precision, jit,
+                                   merge_partials_block, online_softmax_block, power_of_two_at_most, sm_count,
+                                   split_capacity)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,7 +52,7 @@ def store_kv(k, v, k_cache, v_cache, out_cache_loc):
     n, hkv, d = k.shape
     if n == 0:
         return
-    _assert_last_dim_contiguous(k, v, k_cache, v_cache)
+    assert_last_dim_contiguous(k, v, k_cache, v_cache)
     _store_kv_kernel[(n,)](
         k, v, k_cache, v_cache, out_cache_loc,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -82,38 +64,18 @@ def store_kv(k, v, k_cache, v_cache, out_cache_loc):
 
 
 # ---------------------------------------------------------------------------------------------
-# Shared inner step: one block of keys folded into the running (max, sum, acc) of an online softmax
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _online_softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale,
-                          MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # k arrives as [BLOCK_N, D]; the transposed operand is a layout choice for the compiler, not a copy.
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-    if MASKED:
-        qk = tl.where(valid, qk, float("-inf"))
-    # The scale is applied inside the exponent (one FMA per score) rather than to the scores first;
-    # qk_scale > 0, so the running max can be taken on the unscaled scores.
-    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk * qk_scale - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-# ---------------------------------------------------------------------------------------------
 # decode_attention: split-KV flash-decoding
 # ---------------------------------------------------------------------------------------------
 
 
-@jit(unaligned=["Req_pool_indices", "Seq_lens"])
+# The split count is a runtime int: it follows the batch size and the longest context, and a constexpr here made
+# every new pair a compile in the middle of serving (bench/kernel_variants.py).
+@jit(do_not_specialize=["num_splits"], unaligned=["Req_pool_indices", "Seq_lens"])
 def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse,
                          qk_scale,
                          stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
-                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, num_splits,
+                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
     # One program = one request x one KV head x one slice of the context. All query heads of the KV
@@ -124,7 +86,7 @@ def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
 
     seq_len = tl.load(Seq_lens + req)
     # Split length rounded to BLOCK_N so that only the last block of a request is ragged.
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start >= end:
@@ -152,48 +114,36 @@ def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
                     mask=kv_mask, other=0.0)
         v = tl.load(V_cache + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
                     mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
-                                              True, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
+                                             True, DOT_PRECISION)
 
     out_ptr = Mid_o + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + dims[None, :]
     tl.store(out_ptr, acc / l_i[:, None], mask=head_ok[:, None] & dim_ok[None, :])
     tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
 
 
-@jit(unaligned=["Seq_lens"])
+@jit(do_not_specialize=["num_splits"], unaligned=["Seq_lens"])
 def _decode_merge_kernel(Mid_o, Mid_lse, O, Seq_lens,
-                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                         HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Each split holds softmax-normalised partial output and its log-sum-exp; weighting by
-    # exp(lse - max lse) turns them back into one softmax over the whole context.
+                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, num_splits,
+                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(Seq_lens + req)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    splits = tl.arange(0, BLOCK_S)
-    live = (splits < NUM_SPLITS) & (splits * split_len < seq_len)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    # Dead splits were never written: masked loads keep their garbage out of the sum.
-    lse = tl.load(Mid_lse + req * stride_mlb + head * stride_mlh + splits, mask=live, other=float("-inf"))
-    weight = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(Mid_o + req * stride_mob + head * stride_moh + splits[:, None] * stride_mos + dims[None, :],
-                   mask=live[:, None] & dim_ok[None, :], other=0.0)
-    out = tl.sum(weight[:, None] * part, 0) / tl.sum(weight, 0)
-    tl.store(O + req * stride_ob + head * stride_oh + dims, out.to(O.dtype.element_ty), mask=dim_ok)
-
-
-_SM_COUNT = {}
-
-
-def _sm_count(device):
-    if device.type != "cuda":
-        return 4  # interpreter: a few programs are enough to exercise the split path
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    lse_base = Mid_lse + req * stride_mlb + head * stride_mlh
+    part_base = Mid_o + req * stride_mob + head * stride_moh
+    # Split 0 is never empty (seq_len >= 1), so the running max is finite after the first tile.
+    m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        splits = s0 + tl.arange(0, BLOCK_S)
+        live = (splits < num_splits) & (splits * split_len < seq_len)
+        m_i, l_i, acc = merge_partials_block(lse_base, part_base, stride_mos, splits, live, dims, dim_ok,
+                                             m_i, l_i, acc)
+    tl.store(O + req * stride_ob + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)
 
 
 # Tuned on the H100 (bench/kernel_bench.py). fp32 takes narrower blocks: its IEEE dots run on FMA units
@@ -220,17 +170,10 @@ def decode_num_splits(batch, num_kv_heads, max_seq_len, device):
     context into that many slices, so short requests in a batch with a long one simply get short slices.
     """
     cfg = DECODE_SPLITS
-    target = cfg["programs_per_sm"] * _sm_count(device)
+    target = cfg["programs_per_sm"] * sm_count(device)
     splits = triton.cdiv(target, max(1, batch * num_kv_heads))
     splits = min(splits, triton.cdiv(max(1, max_seq_len), cfg["min_split_tokens"]), cfg["max_splits"])
     return power_of_two_at_most(splits)
-
-
-def power_of_two_at_most(n: int) -> int:
-    """Split counts are compile-time constants of the kernels: rounding them down to a power of two leaves a
-    handful of variants (1, 2, 4, ... 64) instead of one per value, each compiled once. Left free, every new
-    batch-size / context-length pair of an eagerly run batch could mean a compile of a second or more mid-serving."""
-    return 1 << (max(1, int(n)).bit_length() - 1)
 
 
 def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len,
@@ -239,30 +182,30 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
     hkv = k_cache.shape[1]
     if bsz == 0:
         return
-    _assert_last_dim_contiguous(q, k_cache, v_cache, o)
+    assert_last_dim_contiguous(q, k_cache, v_cache, o)
     assert req_to_token.stride(1) == 1
     cfg = dict(decode_config(q.dtype, q.device), **(config or {}))
     group = hq // hkv
     splits = num_kv_splits or decode_num_splits(bsz, hkv, max_seq_len, q.device)
     block_d = triton.next_power_of_2(d)
     mid_o = torch.empty((bsz, hq, splits, d), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((bsz, hq, splits), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((bsz, hq, split_capacity(splits)), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hkv, splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse,
-        sm_scale * _LOG2E,
+        sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, HEAD_DIM=d, NUM_SPLITS=splits,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), splits,
+        GROUP=group, HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"],
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     _decode_merge_kernel[(bsz, hq)](
         mid_o, mid_lse, o, seq_lens,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        o.stride(0), o.stride(1),
-        HEAD_DIM=d, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d,
+        o.stride(0), o.stride(1), splits,
+        HEAD_DIM=d, BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d,
         BLOCK_N=cfg["BLOCK_N"], num_warps=1 if block_d <= 64 else 2,
     )
 
@@ -285,7 +228,9 @@ def _load_rows(Base, rows, stride_row, dims, row_ok, dim_ok, MASK_ROWS: tl.const
     return tl.load(ptrs, mask=dim_ok[None, :], other=0.0)
 
 
-@triton.jit
+# num_m_blocks (the longest extend of the batch in row blocks) is a runtime int: specialised, its value 1 or a multiple
+# of 16 made a variant of its own, met or not according to the batch's makeup.
+@jit(do_not_specialize=["num_m_blocks"])
 def _extend_kernel(Q, K, V, O, K_cache, V_cache, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens,
                    Extend_start, qk_scale, num_m_blocks,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -331,15 +276,15 @@ def _extend_kernel(Q, K, V, O, K_cache, V_cache, Req_to_token, Req_pool_indices,
         slots = tl.load(table + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
         k = _load_rows(k_base, slots, stride_kcn, dims, None, dim_ok, False, EVEN_D)
         v = _load_rows(v_base, slots, stride_vcn, dims, None, dim_ok, False, EVEN_D)
-        m_i, l_i, acc = _online_softmax_block(q, k, v, None, m_i, l_i, acc, qk_scale, False, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_block(q, k, v, None, m_i, l_i, acc, qk_scale, False, DOT_PRECISION)
     if whole < visible:
         pos = whole + tl.arange(0, BLOCK_N)
         pos_ok = pos < visible
         slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
         k = _load_rows(k_base, slots, stride_kcn, dims, pos_ok, dim_ok, True, EVEN_D)
         v = _load_rows(v_base, slots, stride_vcn, dims, pos_ok, dim_ok, True, EVEN_D)
-        m_i, l_i, acc = _online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
-                                              True, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
+                                             True, DOT_PRECISION)
 
     # 2) The diagonal block, read from k/v directly: causal mask, and the request's last block may be ragged.
     k_new = K + token0 * stride_kt + kv_head * stride_kh
@@ -351,7 +296,7 @@ def _extend_kernel(Q, K, V, O, K_cache, V_cache, Req_to_token, Req_pool_indices,
         k = _load_rows(k_new, pos, stride_kt, dims, pos_ok, dim_ok, True, EVEN_D)
         v = _load_rows(v_new, pos, stride_vt, dims, pos_ok, dim_ok, True, EVEN_D)
         causal = (pos[None, :] <= rows[:, None]) & pos_ok[None, :]
-        m_i, l_i, acc = _online_softmax_block(q, k, v, causal, m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_block(q, k, v, causal, m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
 
     out = (acc / l_i[:, None]).to(O.dtype.element_ty)
     o_ptrs = O + (token0 + rows[:, None]) * stride_ot + head * stride_oh + dims[None, :]
@@ -386,16 +331,16 @@ def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indice
     hkv = k.shape[1]
     if t == 0 or bsz == 0:
         return
-    _assert_last_dim_contiguous(q, k, v, o, k_cache, v_cache)
+    assert_last_dim_contiguous(q, k, v, o, k_cache, v_cache)
     assert req_to_token.stride(1) == 1
     cfg = dict(extend_config(q.dtype, d, q.device, max_extend_len), **(config or {}))
     num_m_blocks = triton.cdiv(max_extend_len, cfg["BLOCK_M"])
     _extend_kernel[(hq, num_m_blocks, bsz)](
         q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
-        sm_scale * _LOG2E, num_m_blocks,
+        sm_scale * LOG2E, num_m_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PRECISION=_dot_precision(q.dtype),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

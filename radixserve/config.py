@@ -127,6 +127,8 @@ class ServerArgs:
     grammar_backend: str = _flag("xgrammar", "xgrammar|none: constrained decoding (response_format, regex, ebnf, "
                                              "tool_choice required/named); none refuses such requests with a 400.",
                                  choices=["xgrammar", "none"])
+    disable_grammar_string_unrolling: bool = _flag(False, "Keep xgrammar's own EBNF for strings with a maxLength "
+                                                          "(slower token masks; radixserve/grammar_rewrites.py).")
     tool_call_parser: str = _flag("auto", "Tool-call format of the model: auto (from the chat template) | qwen | "
                                           "qwen25 | qwen3 | hermes | llama3.",
                                   choices=["auto", "qwen", "qwen25", "qwen3", "hermes", "llama3"])

@@ -85,10 +85,11 @@ class GrammarCompiler:
     """
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 1,
-                 cache_entries: int = COMPILE_CACHE_ENTRIES):
+                 cache_entries: int = COMPILE_CACHE_ENTRIES, unroll_bounded_strings: bool = True):
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
+        self.unroll_bounded_strings = unroll_bounded_strings  # off: --disable-grammar-string-unrolling
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
         # xgrammar has its own cache too; ours is keyed by the spec text, bounded by count, and also remembers
@@ -116,15 +117,11 @@ class GrammarCompiler:
         return cached
 
     def _compile_uncached(self, kind: str, text: str):
-        import xgrammar as xgr
-
         self.compilations += 1
         try:
             if kind == "json_schema":
                 _check_schema_depth(text)
-                # Compact JSON (no free whitespace): a weak model cannot wander off into endless spaces and newlines.
-                grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
-                return self._compiler.compile_grammar(_forbid_raw_control_characters(grammar))
+                return self._compiler.compile_grammar(_json_schema_grammar(text, self.unroll_bounded_strings))
             if kind == "regex":
                 return self._compiler.compile_regex(text)
             if kind == "ebnf":
@@ -145,20 +142,18 @@ class GrammarCompiler:
             raise GrammarError(f"invalid {_KIND_NAMES[spec[0]]}: no text satisfies it")
 
 
-# xgrammar (0.2.8) writes the characters of a string with minLength/maxLength as [^"\\\r\n], which lets raw control
-# characters (U+0000-U+001F) into a JSON string, where JSON forbids them and strict parsers (Python's json) refuse the
-# reply. Its unbounded strings already exclude them; bounded ones get the same class here.
-_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'  # as xgrammar prints its EBNF
-_BOUNDED_STRING_CHAR_FIXED = r'[^\0-\x1f\"\\\r\n]'
-
-
-def _forbid_raw_control_characters(grammar):
+def _json_schema_grammar(text: str, unroll_bounded_strings: bool):
+    """xgrammar's grammar of a JSON schema, with the rewrites of radixserve/grammar_rewrites.py."""
     import xgrammar as xgr
 
-    text = str(grammar)
-    if _BOUNDED_STRING_CHAR not in text:
-        return grammar
-    return xgr.Grammar.from_ebnf(text.replace(_BOUNDED_STRING_CHAR, _BOUNDED_STRING_CHAR_FIXED))
+    from radixserve import grammar_rewrites
+
+    # Compact JSON (no free whitespace): a weak model cannot wander off into endless spaces and newlines.
+    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+    ebnf = grammar_rewrites.forbid_raw_control_characters(str(grammar))
+    if unroll_bounded_strings:
+        ebnf = grammar_rewrites.unroll_bounded_strings(ebnf)
+    return grammar if ebnf == str(grammar) else xgr.Grammar.from_ebnf(ebnf)
 
 
 class RequestGrammar:
@@ -251,13 +246,15 @@ class WorkerGrammars:
     a server that never sees one pays nothing at startup; later requests with the same spec reuse its compilation.
     `backend` "none" (--grammar-backend none) constrains nothing; the front end refuses such requests first."""
 
-    def __init__(self, backend: str, tokenizer_path, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, backend: str, tokenizer_path, vocab_size: int, stop_token_ids: list[int],
+                 unroll_bounded_strings: bool = True):
         if backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"--grammar-backend must be one of {GRAMMAR_BACKENDS}, got {backend!r}")
         self.backend = backend
         self._tokenizer_path = str(tokenizer_path)
         self._vocab_size = vocab_size
         self._stop_token_ids = list(stop_token_ids)
+        self._unroll_bounded_strings = unroll_bounded_strings
         self._compiler: GrammarCompiler | None = None
 
     def matcher(self, params, generated=()) -> RequestGrammar | None:
@@ -270,7 +267,8 @@ class WorkerGrammars:
             from radixserve.tokenizer_loading import load_tokenizer
 
             tokenizer = load_tokenizer(self._tokenizer_path)
-            self._compiler = GrammarCompiler(tokenizer, self._vocab_size, self._stop_token_ids)
+            self._compiler = GrammarCompiler(tokenizer, self._vocab_size, self._stop_token_ids,
+                                             unroll_bounded_strings=self._unroll_bounded_strings)
         try:
             grammar = self._compiler.matcher(spec)
         except GrammarError as e:

@@ -81,7 +81,8 @@ class ModelRunner:
         self.sampler = Sampler(cfg.vocab_size, self.device)
         self.request_states: dict[int, SamplingRequestState] = {}  # by req_pool_idx
         self.grammars = WorkerGrammars(server_args.grammar_backend, server_args.tokenizer or model_dir,
-                                       cfg.vocab_size, cfg.eos_token_ids)
+                                       cfg.vocab_size, cfg.eos_token_ids,
+                                       unroll_bounded_strings=not server_args.disable_grammar_string_unrolling)
         # Overlapped scheduling: sampled tokens stay here for the next batch, whose placeholder ids refer to them.
         self.future_tokens = torch.zeros(future_token_ring_size(server_args.max_running_requests), dtype=torch.int64,
                                          device=self.device)

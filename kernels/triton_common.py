@@ -1,0 +1,98 @@
+"""What the Triton attention kernels share: the jit decorator that keeps batch metadata out of the specialization key,
+the online-softmax step, dot precision, the log-sum-exp merge of split partials, and the split-count helpers.
+
+Triton compiles one binary per specialization key: every constexpr value, whether each int argument is 1 or
+divisible by 16, and whether each pointer is 16-byte aligned. A key first met in the middle of serving is a compile
+there (a second or more). So anything that follows the batch's makeup (its size, its groups, the longest context,
+where the decode part starts) must enter a kernel as a runtime value that is not specialised: split counts and
+trip counts are ints named in do_not_specialize, metadata slices are pointers named in `unaligned`, and split
+scratch buffers are laid out so that their strides keep one class whatever the split count (split_capacity).
+bench/kernel_variants.py checks it: a second run of a workload, in another batch makeup, launches no new variant.
+"""
+
+import inspect
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+# Partials of one query are merged this many splits at a time (a fixed tile, so that one binary serves every count).
+MERGE_BLOCK_S = 16
+
+
+def jit(do_not_specialize=(), unaligned=()):
+    """triton.jit that specialises neither the named ints on their value nor the named pointers on 16-byte alignment.
+    Batch metadata (request rows, lengths, group tables) arrives as slices at offsets that follow the batch's makeup,
+    and each new alignment pattern was a new compiled variant: a compile of a second or more in the middle of serving.
+    Older Triton releases without alignment control just specialise as before."""
+    kwargs = {"do_not_specialize": list(do_not_specialize)} if do_not_specialize else {}
+    if unaligned and "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        kwargs["do_not_specialize_on_alignment"] = list(unaligned)
+    return triton.jit(**kwargs)
+
+
+def dot_precision(dtype):
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def assert_last_dim_contiguous(*tensors):
+    for t in tensors:
+        assert t.stride(-1) == 1, "kernels need the head_dim axis contiguous (stride 1)"
+
+
+def split_capacity(splits: int) -> int:
+    """Slots per (request, head) of a log-sum-exp scratch buffer: the split count rounded up to 16, so that its
+    strides stay divisible by 16 (one Triton variant) whatever the count; the output partials' strides already are
+    (they are multiples of head_dim)."""
+    return triton.cdiv(max(1, splits), 16) * 16
+
+
+@triton.jit
+def online_softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One block of keys folded into the running (max, sum, acc) of an online softmax, in base 2."""
+    # k arrives as [BLOCK_N, D]; the transposed operand is a layout choice for the compiler, not a copy.
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        qk = tl.where(valid, qk, float("-inf"))
+    # The scale is applied inside the exponent (one FMA per score) rather than to the scores first;
+    # qk_scale > 0, so the running max can be taken on the unscaled scores.
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def merge_partials_block(Lse, Part, stride_s, splits, live, dims, dim_ok, m_i, l_i, acc):
+    """Folds the partials of one tile of splits into a running (max lse, sum of weights, weighted sum of outputs).
+    Each split holds softmax-normalised partial output and its log-sum-exp; weighting by exp(lse - max lse) turns
+    them back into one softmax over the whole context. Dead splits were never written (this step or any other):
+    masked loads keep them out of the sum, and a tile with no live split leaves the state as it was."""
+    lse = tl.load(Lse + splits, mask=live, other=float("-inf"))
+    part = tl.load(Part + splits[:, None] * stride_s + dims[None, :], mask=live[:, None] & dim_ok[None, :], other=0.0)
+    m_new = tl.maximum(m_i, tl.max(lse, 0))
+    alpha = tl.exp2(m_i - m_new)
+    weight = tl.exp2(lse - m_new)
+    return m_new, l_i * alpha + tl.sum(weight, 0), acc * alpha + tl.sum(weight[:, None] * part, 0)
+
+
+_SM_COUNT = {}
+
+
+def sm_count(device):
+    if device.type != "cuda":
+        return 4  # interpreter: a few programs are enough to exercise the split path
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def power_of_two_at_most(n: int) -> int:
+    """Split counts rounded down to a power of two: a handful of values (1, 2, 4, ... 64), so that the scratch sizes
+    and the tuned split policy see few distinct shapes (the counts themselves are runtime values of the kernels)."""
+    return 1 << (max(1, int(n)).bit_length() - 1)
