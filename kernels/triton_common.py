@@ -7,7 +7,8 @@ there (a second or more). So anything that follows the batch's makeup (its size,
 where the decode part starts) must enter a kernel as a runtime value that is not specialised: split counts and
 trip counts are ints named in do_not_specialize, metadata slices are pointers named in `unaligned`, and split
 scratch buffers are laid out so that their strides keep one class whatever the split count (split_capacity).
-bench/kernel_variants.py checks it: a second run of a workload, in another batch makeup, launches no new variant.
+bench/kernel_variants.py (keys by bench/kernel_variant_keys.py) checks it: a second run of a workload, in another
+batch makeup, launches no new variant.
 """
 
 import inspect

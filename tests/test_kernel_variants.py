@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from bench.kernel_variants import specialization_key
+from bench.kernel_variant_keys import specialization_key
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

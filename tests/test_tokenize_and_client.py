@@ -75,6 +75,13 @@ def test_tokenized_messages_count_what_the_chat_route_counts(http, tools):
     assert counted["count"] == reply["usage"]["prompt_tokens"] == len(counted["tokens"])
     without_prompt = http.post("/v1/tokenize", json={"messages": messages, "add_generation_prompt": False, **extra})
     assert without_prompt.json()["count"] < counted["count"]
+    # A final assistant message left open (continue_final_message) counts what the chat route renders for it.
+    prefilled = [*messages, {"role": "assistant", "content": "The weather"}]
+    fields = {"messages": prefilled, "add_generation_prompt": False, "continue_final_message": True, **extra}
+    open_counted = http.post("/v1/tokenize", json=fields).json()
+    open_reply = http.post("/v1/chat/completions", json={**fields, "max_tokens": 1}).json()
+    closed = http.post("/v1/tokenize", json={**fields, "continue_final_message": False}).json()
+    assert open_counted["count"] == open_reply["usage"]["prompt_tokens"] < closed["count"]
 
 
 @pytest.mark.parametrize("path, body, param", [
@@ -83,6 +90,7 @@ def test_tokenized_messages_count_what_the_chat_route_counts(http, tools):
     ("/v1/tokenize", {"prompt": 5}, "prompt"),
     ("/v1/tokenize", {"messages": [{"role": "user"}]}, "messages"),
     ("/v1/tokenize", {"messages": ASK, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
+    ("/v1/tokenize", {"messages": ASK, "continue_final_message": True}, "continue_final_message"),
     ("/v1/detokenize", {"tokens": [1, -2]}, "tokens"),
     ("/v1/detokenize", {"tokens": [10**9]}, "tokens"),
     ("/v1/detokenize", {"tokens": "12"}, "tokens"),

@@ -27,6 +27,7 @@ class TokenizeRequest(_StrictModel):
     add_special_tokens: bool = True  # prompt only: BOS and the like, as a completion's prompt gets them
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # as on /v1/chat/completions: the last message left open
     chat_template_kwargs: dict[str, bool] | None = None  # checked as /v1/chat/completions checks it
     tools: list[dict[str, Any]] | None = None  # rendered as the chat route renders them
     return_token_strs: bool = False  # also each token's piece of the vocabulary (vLLM's token_strs)
@@ -63,7 +64,8 @@ class DetokenizeResponse(BaseModel):
 
 def _chat_request(req: TokenizeRequest) -> ChatCompletionRequest:
     """The chat part of the body as a chat completion request, through the chat route's own validation."""
-    fields = req.model_dump(include={"messages", "add_generation_prompt", "chat_template_kwargs", "tools"},
+    fields = req.model_dump(include={"messages", "add_generation_prompt", "continue_final_message",
+                                     "chat_template_kwargs", "tools"},
                             exclude_none=True)
     try:
         return ChatCompletionRequest.model_validate(fields)

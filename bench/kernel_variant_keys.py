@@ -1,0 +1,240 @@
+"""Which Triton kernel variants a run launches, as the GPU's JIT would key them, found on the CPU.
+
+Triton compiles one binary per specialization key of a kernel: its constexpr values, per int argument whether it is
+1 (then a constant of the binary), divisible by 16 or neither, per pointer argument its dtype and whether its address
+is 16-byte aligned, and the launch options (num_warps, num_stages). Arguments named in do_not_specialize keep only
+their type, those in do_not_specialize_on_alignment drop the alignment. A key first met in the middle of serving is a
+compile there (a second or more on an H100). Under TRITON_INTERPRET=1 nothing compiles, but the kernels run through
+the same host code with the same arguments, so the keys can be computed exactly: this module hands every launch's
+arguments to the binder Triton itself generates for a kernel (runtime/jit.py create_function_from_signature, with
+the native specialize_impl and an sm_90 CUDA target), which needs no GPU. On a GPU it records compiled launches the
+same way.
+
+    with KernelVariants() as variants:       # in the process that launches the kernels
+        variants.phase("warm-up"); run()
+        variants.phase("timed"); run()
+    variants.new_in("timed")                 # keys no earlier phase launched
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+
+LOG_ENV = "KERNEL_VARIANTS_LOG"
+OPTIONS_ENV = "KERNEL_VARIANTS_OPTIONS"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_binders: dict = {}
+
+
+def _cuda_backend():
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import CUDABackend
+    return CUDABackend(GPUTarget("cuda", 90, 32))  # an H100; the specialization rules are not per architecture
+
+
+def _binder(kernel):
+    """Triton's own argument binder for this kernel (what JITFunction.run calls before it looks up its cache)."""
+    fn = kernel.fn
+    if fn not in _binders:
+        from triton.runtime.jit import KernelParam, create_function_from_signature
+        opts = getattr(kernel, "kwargs", None)  # InterpretedFunction keeps triton.jit's arguments here
+        dns = (opts or {}).get("do_not_specialize") or getattr(kernel, "do_not_specialize", None) or []
+        dns_oa = ((opts or {}).get("do_not_specialize_on_alignment")
+                  or getattr(kernel, "do_not_specialize_on_alignment", None) or [])
+        sig = inspect.signature(fn)
+        params = [KernelParam(i, p, i in dns or p.name in dns, i in dns_oa or p.name in dns_oa)
+                  for i, p in enumerate(sig.parameters.values())]
+        _binders[fn] = (create_function_from_signature(sig, params, _cuda_backend()), params)
+    return _binders[fn]
+
+
+def _describe(param, kind, attr) -> str:
+    """One argument's part of the key, readable: constexprs by value, ints as ==1 / %16 / other / free (not
+    specialised), pointers as 16B-aligned / unaligned / any-align (not specialised on alignment)."""
+    if kind == "constexpr":
+        return "=" + repr(attr)
+    if kind.startswith("*"):
+        if attr is None or param.do_not_specialize_on_alignment:
+            return f":{kind} any-align"
+        return f":{kind} {'16B-aligned' if attr == 'D' else 'unaligned'}"
+    if attr is None:
+        return f":{kind}" if kind[:2] in ("fp", "bf") or kind == "u1" else f":{kind} free"
+    return f":{kind} {'%16' if attr == 'D' else 'other'}"
+
+
+def specialization_key(kernel, args, kwargs) -> str:
+    """The variant this launch selects, as 'kernel(arg=..., ...) options'; equal strings = one compiled binary."""
+    binder, params = _binder(kernel)
+    _, spec, options = binder(*args, **kwargs)
+    parts = [f"{p.name}{_describe(p, kind, attr)}" for p, (kind, attr) in zip(params, spec)]
+    opts = ", ".join(f"{k}={options[k]!r}" for k in sorted(options))
+    return f"{kernel.fn.__name__}({', '.join(parts)}) [{opts}]"
+
+
+def _in_graph_step() -> bool:
+    """Whether the forward in flight is a decode-only step, which an H100 replays as a CUDA graph captured at
+    start-up (bs <= --cuda-graph-max-bs) instead of launching kernels: its launches compile nothing mid-run."""
+    from radixserve.forward_context import get_forward_context
+    try:
+        ctx = get_forward_context()
+    except RuntimeError:
+        return False
+    return ctx.num_extend_reqs == 0 and ctx.req_pool_indices.shape[0] <= 256
+
+
+def compile_for_h100(kernel, args, kwargs) -> float:
+    """Compiles the variant this launch selects, to an sm_90 cubin (Triton ships ptxas: no GPU needed); returns the
+    seconds it took, the cost of meeting it first in the middle of serving (on this machine's CPU). Needs a compiled
+    JITFunction kernel (not under TRITON_INTERPRET=1)."""
+    import time
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    binder, _ = _binder(kernel)
+    bound, spec, options = binder(*args, **kwargs)
+    opts, signature, constexprs, attrs = kernel._pack_args(_cuda_backend(), kwargs, bound, spec, options)
+    start = time.perf_counter()
+    triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
+                   options=opts.__dict__)
+    return time.perf_counter() - start
+
+
+class KernelVariants:
+    """Context manager recording each kernel launch's specialization key, by phase (phase() starts a new one).
+
+    shadow: launches are recorded but not run, and each kernels.* op is computed by its torch twin instead (kernel
+    outputs never change a batch's makeup, and the twins are fast: GPU-sized workloads audit in minutes).
+    h100: the wrappers choose block sizes and split counts as for bf16 on an H100 (132 SMs), so that the keys are
+    those of a GPU run, and launches of decode-only steps are left out (CUDA graph replays there).
+    min_split_tokens: the split policies' shortest slice (scaled down with a CPU-sized workload).
+    compile: each new variant is also compiled for sm_90 (compile_for_h100), its seconds kept in compile_seconds."""
+
+    def __init__(self, log_path: str | None = None, shadow: bool = False, h100: bool = False,
+                 min_split_tokens: int | None = None, compile: bool = False):
+        self.first_phase: dict[str, str] = {}  # key -> phase it was first launched in
+        self.current = "start"
+        self.log_path = log_path
+        self.shadow, self.h100, self.min_split_tokens, self.compile = shadow, h100, min_split_tokens, compile
+        self.compile_seconds: dict[str, float] = {}
+        self._restore = []
+
+    def phase(self, name: str) -> None:
+        self.current = name
+
+    def record(self, kernel, args, kwargs) -> None:
+        if self.h100 and _in_graph_step():
+            return
+        key = specialization_key(kernel, args, kwargs)
+        if key not in self.first_phase:
+            self.first_phase[key] = self.current
+            if self.compile:
+                self.compile_seconds[key] = round(compile_for_h100(kernel, args, kwargs), 2)
+            if self.log_path:
+                with open(self.log_path, "a") as f:
+                    f.write(json.dumps({"key": key, "compile_seconds": self.compile_seconds.get(key)}) + "\n")
+
+    def new_in(self, phase: str) -> list[str]:
+        """The keys first launched in this phase: variants every earlier phase left to compile."""
+        return sorted(k for k, p in self.first_phase.items() if p == phase)
+
+    def _set(self, owner, name, value) -> None:
+        """owner.name = value (owner[name] for a dict) until __exit__."""
+        if isinstance(owner, dict):
+            self._restore.append((owner, name, owner[name]))
+            owner[name] = value
+        else:
+            self._restore.append((owner, name, getattr(owner, name)))
+            setattr(owner, name, value)
+
+    def __enter__(self) -> "KernelVariants":
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+        for cls in (InterpretedFunction, JITFunction):
+            def run(kernel, *args, grid, warmup, _original=cls.run, **kwargs):
+                if not warmup:
+                    self.record(kernel, args, kwargs)
+                if self.shadow:
+                    return None
+                return _original(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+            self._set(cls, "run", run)
+        if self.shadow:
+            self._shadow_dispatch()
+        if self.h100 or self.min_split_tokens:
+            self._policy()
+        return self
+
+    def _shadow_dispatch(self) -> None:
+        import kernels
+        from kernels import reference, shared_prefix_attention, triton_attention, triton_elementwise
+
+        class Shadow:
+            """Each op: the Triton wrapper (its launches recorded, not run), then the torch twin (the result)."""
+            def __init__(self, module):
+                self.module = module
+
+            def __getattr__(self, name):
+                def op(*args, **kwargs):
+                    getattr(self.module, name)(*args, **kwargs)
+                    return getattr(reference, name)(*args, **kwargs)
+                return op
+
+        self._set(kernels, "_attention_impl", lambda t: Shadow(triton_attention))
+        self._set(kernels, "_elementwise_impl", lambda t: Shadow(triton_elementwise))
+        self._set(kernels, "_shared_prefix_impl", lambda t: Shadow(shared_prefix_attention))
+
+    def _policy(self) -> None:
+        import torch
+
+        from kernels import shared_prefix_attention as spa, triton_attention as ta
+        if self.min_split_tokens:
+            self._set(ta.DECODE_SPLITS, "min_split_tokens", self.min_split_tokens)
+            self._set(spa.PREFIX_SPLITS, "min_split_tokens", self.min_split_tokens)
+        if not self.h100:
+            return
+        gpu, bf16 = torch.device("cuda"), torch.bfloat16
+        decode_config, extend_config, prefix_config = ta.decode_config, ta.extend_config, spa.prefix_config
+        for module in (ta, spa):
+            for name in ("sm_count", "_sm_count"):  # the latter: trees before kernels/triton_common.py
+                if hasattr(module, name):
+                    self._set(module, name, lambda device: 132)
+        self._set(ta, "decode_config", lambda dtype, device: decode_config(bf16, gpu))
+        self._set(ta, "extend_config", lambda dtype, d, device, n=None: extend_config(bf16, d, gpu, n))
+        self._set(spa, "prefix_config", lambda dtype, device, *rows: prefix_config(bf16, gpu, *rows))
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, value in reversed(self._restore):
+            if isinstance(owner, dict):
+                owner[name] = value
+            else:
+                setattr(owner, name, value)
+        self._restore.clear()
+
+
+def install_from_env() -> KernelVariants | None:
+    """In a child process (through the sitecustomize that child_env writes): record to the file KERNEL_VARIANTS_LOG,
+    with the options in KERNEL_VARIANTS_OPTIONS (JSON)."""
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return None
+    return KernelVariants(log_path=path, **json.loads(os.environ.get(OPTIONS_ENV, "{}"))).__enter__()
+
+
+def child_env(log_path: str, site: str, **options) -> dict[str, str]:
+    """Environment for processes that should record into log_path: a sitecustomize (written into the directory site)
+    that installs the recorder."""
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write("import bench.kernel_variant_keys\nbench.kernel_variant_keys.install_from_env()\n")
+    return {"PYTHONPATH": os.pathsep.join([site, REPO, os.environ.get("PYTHONPATH", "")]), LOG_ENV: log_path,
+            OPTIONS_ENV: json.dumps(options)}
+
+
+def read_log(path: str) -> list[dict]:
+    """The entries a child process appended: {"key": ..., "compile_seconds": ... or None}."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
