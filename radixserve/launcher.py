@@ -113,16 +113,6 @@ def resolve_api_key(args: ServerArgs) -> None:
         args.api_key = os.environ[API_KEY_ENV].strip()
 
 
-def cpu_worker_malloc_env() -> dict[str, str]:
-    """glibc serves an allocation over 32 MiB with an mmap of its own and unmaps it when it is freed. A CPU worker
-    makes several such tensors a step (logits, probabilities and their cumulative sum: 48 MiB each at 256 rows of a
-    49k vocabulary), so its RSS saw-tooths by ~50-100 MiB and the pages are faulted in, zeroed, on every step.
-    Served from the heap, and with freed memory kept there, the worker holds its working set instead: its RSS rises
-    to a plateau and stays (the 1,000-client soak's check). A value already in the environment wins."""
-    keep = (("MALLOC_MMAP_MAX_", "0"), ("MALLOC_TRIM_THRESHOLD_", str(1 << 40)))
-    return {k: v for k, v in keep if k not in os.environ}
-
-
 def single_node_loopback_env() -> dict[str, str]:
     """Keep gloo's and NCCL's own listening sockets on the loopback interface: on one node nothing else needs to
     reach them, and by default they bind the address the host name resolves to (or every interface)."""
@@ -198,8 +188,6 @@ class Launcher:
         else:
             # A file store in the private directory: torch's TCPStore would listen on every interface.
             dist_init, env = f"file://{Path(endpoints.ipc_dir) / 'dist_store'}", single_node_loopback_env()
-        if self.args.device == "cpu":
-            env.update(cpu_worker_malloc_env())
         if self.args.device == "cuda" and (self.args.dp_size > 1 or self.args.base_gpu_id):
             # Each replica sees only its GPUs, so a worker's rank still picks its device.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(replica_gpus(self.args, dp_rank, visible_gpus()))

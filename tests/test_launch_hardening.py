@@ -130,16 +130,6 @@ def test_every_listening_socket_binds_the_configured_host(server):
             assert any(v.startswith(b"GLOO_SOCKET_IFNAME=lo") for v in environ), f"pid {pid}: {cmdline}"
 
 
-def test_cpu_workers_keep_their_per_step_memory(server):
-    """A CPU worker's large per-step tensors come from the heap and stay there (radixserve/launcher.py
-    cpu_worker_malloc_env): without it its RSS saw-tooths by 50-100 MiB a step (bench/results/soak-cpu.md)."""
-    workers = [pid for pid, cmd in process_tree(server.process.pid).items() if "radixserve.worker" in cmd]
-    assert workers
-    for pid in workers:
-        environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
-        assert b"MALLOC_MMAP_MAX_=0" in environ and any(v.startswith(b"MALLOC_TRIM_THRESHOLD_=") for v in environ)
-
-
 def test_front_end_and_scheduler_never_load_torch(server):
     """Neither the HTTP process nor the scheduler runs a tensor op, so neither maps libtorch at runtime (the tokenizer
     loader once imported it through AutoTokenizer: ~190 MB and seconds of start-up in each, on every server)."""
