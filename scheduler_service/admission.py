@@ -54,7 +54,9 @@ class AdmissionMixin:
             # Prompt logprobs (echo) need the logits of every prompt position and a cached prefix has none: such a
             # request computes its whole prompt (as SGLang matches nothing below a request's logprob_start_len).
             matchable = 0 if req.prompt_logprobs is not None and not req.output_ids else len(fill) - 1
-            match = self.tree.match_prefix(fill[:matchable], namespace=req.cache_salt, priority=req.priority)
+            # No hit yet: a request that waits is looked up again every step (its hit is counted on admission).
+            match = self.tree.match_prefix(fill[:matchable], namespace=req.cache_salt, priority=req.priority,
+                                           record_hit=False)
             if self.host_tier is not None:  # more of the prompt kept in host memory comes back by a copy, not compute
                 match = self.host_tier.load(fill[:matchable], match, req.cache_salt, req.priority, reserve=committed)
             prefix_len = len(match.slots)
@@ -69,6 +71,7 @@ class AdmissionMixin:
             if not self._ensure_free_slots(committed + n):
                 self.tree.dec_lock_ref(match.last_node)
                 break
+            self.tree.record_hit(match.last_node)
             req.req_pool_idx = self.row_allocator.alloc()
             req.last_node = match.last_node
             req.slots[:prefix_len] = match.slots

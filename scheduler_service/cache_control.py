@@ -30,7 +30,6 @@ from scheduler_service.results import StepOutput
 
 logger = logging.getLogger(__name__)
 
-EXPIRY_CHECK_INTERVAL_S = 0.2  # how late a pin may outlive its TTL (the scheduler loop wakes every 50 ms when idle)
 MAX_ATTEMPTS = 3  # computations of one prefix before giving up (each time, pressure evicted it before the pin)
 INTERNAL_RID_PREFIX = "compute-pin-"  # front-end rids are hex or "<route>-<hex>-<index>": never this
 
@@ -59,7 +58,6 @@ class CacheControl:
         total = scheduler.slot_allocator.num_total
         self.max_pinned_tokens = total // 2 if max_pinned_tokens is None else max_pinned_tokens
         self._pending: dict[str, _PendingPin] = {}  # internal rid -> the pin to make when it finishes
-        self._next_expiry_check = 0.0
 
     # ------------------------------------------------------------------ requests
     def handle(self, message) -> PinsReply | None:
@@ -85,12 +83,8 @@ class CacheControl:
         if len(tokens) > self.max_pinned_tokens:
             return self._reply(message.request_id, 409, self._over_bound(len(tokens)))
         pending = _PendingPin(message.request_id, tokens, message.cache_salt, message.ttl_seconds)
-        cached = len(self.tree.match_prefix(tokens, namespace=message.cache_salt, record_hit=False).slots)
-        if cached == len(tokens):
-            reply = self._pin_cached(pending)
-            if reply is not None:
-                return reply
-        return self._compute(pending)
+        reply = self._pin_cached(pending)  # None unless the whole prompt is cached already
+        return reply if reply is not None else self._compute(pending)
 
     def _compute(self, pending: _PendingPin) -> PinsReply | None:
         """Queue the internal request that computes the prefix: one greedy token, so that the whole prompt's KV
@@ -163,11 +157,7 @@ class CacheControl:
 
     def expire(self, now: float | None = None) -> list[str]:
         """Drop pins whose TTL has passed; cheap enough to call on every loop iteration."""
-        now = time.time() if now is None else now
-        if now < self._next_expiry_check:
-            return []
-        self._next_expiry_check = now + EXPIRY_CHECK_INTERVAL_S
-        expired = self.tree.expire_pins(now)
+        expired = self.tree.expire_pins(time.time() if now is None else now)  # a look at a heap's top when none is due
         if expired:
             logger.info("pins expired: %s", ", ".join(expired))
         return expired

@@ -56,7 +56,6 @@ class DataParallelController:
         self.replies: dict[str, dict[int, FlushCacheResult | ServerInfo]] = {}
         self.loads: list[SchedulerLoad | None] = [None] * args.dp_size
         self.pins = ReplicatedPins(args.dp_size)
-        self.flushes_dropping_pins: set[str] = set()  # request ids of /flush_cache?drop_pins=true in flight
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -85,8 +84,6 @@ class DataParallelController:
         elif isinstance(message, (PinPrefixRequest, ListPinsRequest, UnpinPrefixRequest)):
             self._pin_step(*self.pins.from_front(message))
         elif isinstance(message, (FlushCacheRequest, ServerInfoRequest, CacheStatsRequest)):
-            if isinstance(message, FlushCacheRequest) and not message.keep_pins:
-                self.flushes_dropping_pins.add(message.request_id)
             self.replies[message.request_id] = {}
             for channel in self.to_replicas:
                 channel.send(message)
@@ -139,10 +136,6 @@ class DataParallelController:
         elif isinstance(reply, FlushCacheResult):
             ok = all(r.success for r in ordered)
             why = "; ".join(f"replica {k}: {r.message}" for k, r in enumerate(ordered) if not r.success)
-            if reply.request_id in self.flushes_dropping_pins:
-                self.flushes_dropping_pins.discard(reply.request_id)
-                if ok:  # else the replicas that still hold pins keep them listed (dp_pins.py checks at each list)
-                    self.pins.dropped_all()
             self.to_front.send(FlushCacheResult(reply.request_id, ok, why))
         else:
             self.to_front.send(ServerInfo(reply.request_id, merge_server_info([r.info for r in ordered], self.args)))

@@ -78,10 +78,6 @@ class ReplicatedPins:
             return [], self._listed(reply.request_id, replies)
         return [], self._unpinned(reply.request_id, fanout.pin_id, replies)
 
-    def dropped_all(self) -> None:
-        """/flush_cache?drop_pins=true went to every replica."""
-        self.pins.clear()
-
     # ------------------------------------------------------------------ the merged answers
     def _pinned(self, request_id: str, replies: list[PinsReply]) -> tuple[list[Send], PinsReply]:
         refused = [(k, r) for k, r in enumerate(replies) if r.status != 200]

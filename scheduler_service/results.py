@@ -44,20 +44,16 @@ class StepOutput(msgspec.Struct, gc=False):
         token_ids = self.new_token_ids
         # The same int32 bytes as protocol.pack_i32, without a numpy array per request (one token: one struct call).
         token_bytes = _INT32.pack(token_ids[0]) if len(token_ids) == 1 else array("i", token_ids).tobytes()
-        if first and req.prompt_logprobs and token_ids:
-            return RequestOutput(
-                rid=req.rid, token_ids=token_bytes, logprobs=self.new_logprobs, finished=self.finished,
-                finish_reason=req.finish_reason if self.finished else None, matched_stop=req.matched_stop,
-                error=req.error, prompt_tokens=len(req.prompt_ids), completion_tokens=num_outputs,
-                cached_tokens=req.cached_tokens or 0,
-                queue_time=(req.admitted_time - req.arrival_time) if req.admitted_time else None,
-                prompt_logprobs=req.prompt_logprobs[1:])
         # Positional, in RequestOutput's field order (fixed: it is array_like on the wire), and a third of the cost
-        # of keywords: the server builds one of these per running request and step.
-        return RequestOutput(
+        # of keywords: the server builds one of these per running request and step. Prompt logprobs ride on the
+        # output with the first token only.
+        message = RequestOutput(
             req.rid, token_bytes, self.new_logprobs, self.finished, req.finish_reason if self.finished else None,
             req.matched_stop, req.error, len(req.prompt_ids), num_outputs, req.cached_tokens or 0,
             (req.admitted_time - req.arrival_time) if first and req.admitted_time else None)
+        if first and req.prompt_logprobs and token_ids:
+            message.prompt_logprobs = req.prompt_logprobs[1:]
+        return message
 
 
 class ResultsMixin:

@@ -18,10 +18,11 @@ from starlette.middleware.cors import CORSMiddleware
 
 from radixserve.config import ServerArgs
 from tokenizer_service.errors import JSONResponse, error_for_status, send_error
+from tokenizer_service.routes_dashboard import PAGE_PATH, SCRIPT_PATH
 
 # Reachable without the API key: load balancers probe /health; the dashboard's page and script hold nothing secret
 # (the stats they fetch need the key).
-PUBLIC_PATHS = frozenset({"/health", "/dashboard", "/dashboard/dashboard.js"})
+PUBLIC_PATHS = frozenset({"/health", PAGE_PATH, SCRIPT_PATH})
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 

@@ -30,7 +30,7 @@ async def _generate(ctx: ServingContext, request: Request, req: CompletionReques
     prompts = build_prompts(ctx, fields, prompts, "messages" if chat else "prompt")
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    echo_texts = _echo_texts(ctx, req, prompts) if not chat and req.echo else None
+    echo_texts = await _echo_texts(ctx, req, prompts) if not chat and req.echo else None
     if chat and req.echoed_text():
         echo_texts = [req.echoed_text()]  # the one prompt's: a pre-filled start of the reply
     group = submit(ctx, request_id, prompts, n, arrival, cache_salt=req.cache_salt, priority=req.priority)
@@ -54,13 +54,13 @@ async def _generate(ctx: ServingContext, request: Request, req: CompletionReques
                                               ctx.token_text, want_logprobs, echoes))
 
 
-def _echo_texts(ctx: ServingContext, req: CompletionRequest, prompts) -> list[str]:
+async def _echo_texts(ctx: ServingContext, req: CompletionRequest, prompts) -> list[str]:
     """Each prompt as the client sent it, for echo: its text, or the text of its token ids."""
     if isinstance(req.prompt, str):
         return [req.prompt]
     if all(isinstance(p, str) for p in req.prompt):
         return list(req.prompt)
-    return [ctx.tokenizer.decode(ids, skip_special_tokens=False) for ids, _ in prompts]
+    return [await ctx.tokenization.decode(ids) for ids, _ in prompts]  # in the tokenizer pool: off the event loop
 
 
 def add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:

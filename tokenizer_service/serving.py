@@ -49,7 +49,8 @@ class ServingContext:
         tokenizer = self.tokenizer
         # Compiles each request's grammar before admission (a bad one is a 400); see structured_outputs.py.
         self.grammar_check = GrammarCheck(self.args.grammar_backend, self.tokenizer, self.vocab_size,
-                                          self.model_config.eos_token_ids)
+                                          self.model_config.eos_token_ids,
+                                          unroll_bounded_strings=not self.args.disable_grammar_string_unrolling)
         if self.tokenization is None:
             self.tokenization = Tokenization(tokenizer, self.context_len, self.args.tokenizer_workers)
 

@@ -27,8 +27,10 @@ class GrammarCheck:
     The compiler (and with it xgrammar and torch) is created on the first constrained request. Compilation runs in a
     worker thread so that a large schema does not stall the event loop; compiled grammars are cached by spec."""
 
-    def __init__(self, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 unroll_bounded_strings: bool = True):
         self.backend, self.tokenizer = backend, tokenizer
+        self.unroll_bounded_strings = unroll_bounded_strings  # off: --disable-grammar-string-unrolling
         self.vocab_size, self.stop_token_ids = vocab_size, list(stop_token_ids)
         self._compiler: GrammarCompiler | None = None
         self._compiler_lock = threading.Lock()
@@ -38,7 +40,8 @@ class GrammarCheck:
             if self._compiler is None:
                 # Its own copy of the tokenizer: the HF fast tokenizer is not safe to share across threads, and the
                 # event loop keeps using the server's.
-                self._compiler = GrammarCompiler(copy.deepcopy(self.tokenizer), self.vocab_size, self.stop_token_ids)
+                self._compiler = GrammarCompiler(copy.deepcopy(self.tokenizer), self.vocab_size, self.stop_token_ids,
+                                                 unroll_bounded_strings=self.unroll_bounded_strings)
         self._compiler.check(spec)
 
     async def check(self, fields: dict) -> None:

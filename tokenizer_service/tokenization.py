@@ -66,9 +66,9 @@ class Tokenization:
 
     # ------------------------------------------------------------------------------------------ prompts
 
-    def _encode_texts(self, texts: list[str]) -> list[list[int]]:
+    def _encode_texts(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         tokenizer = self._thread_tokenizer()
-        return [tokenizer.encode(text) for text in texts]
+        return [tokenizer.encode(text, add_special_tokens=add_special_tokens) for text in texts]
 
     async def encode_prompts(self, prompt: str | list, param: str) -> list[list[int]]:
         """The OpenAI prompt shapes (str, list[str], list[int], list[list[int]]) as token-id lists."""
@@ -83,13 +83,10 @@ class Tokenization:
             prompts = [list(p) for p in prompt]
         return prompts
 
-    def _encode_text(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self._thread_tokenizer().encode(text, add_special_tokens=add_special_tokens)
-
     async def encode_text(self, text: str, add_special_tokens: bool, param: str) -> list[int]:
         """One text as token ids (/v1/tokenize), special tokens (BOS) only when asked for."""
         self.check_chars(len(text), param)
-        return await self._run(self._encode_text, text, add_special_tokens)
+        return (await self._run(self._encode_texts, [text], add_special_tokens))[0]
 
     def _decode(self, ids: list[int]) -> str:
         return self._thread_tokenizer().decode(ids)

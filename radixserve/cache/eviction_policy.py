@@ -34,12 +34,6 @@ class EvictableLeaves:
         self._members: set = set()
         self._heap: list[tuple] = []
 
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def __contains__(self, node) -> bool:
-        return node in self._members
-
     def __iter__(self):
         return iter(self._members)
 

@@ -28,9 +28,6 @@ class PinRegistry:
         self._pins: dict[str, tuple[PinInfo, object]] = {}
         self._deadlines: list[tuple[float, str]] = []
 
-    def __len__(self) -> int:
-        return len(self._pins)
-
     def add(self, node, namespace: str | None, num_tokens: int, ttl_seconds: float | None) -> PinInfo:
         now = time.time()
         expires_at = None if ttl_seconds is None else now + ttl_seconds

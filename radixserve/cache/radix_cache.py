@@ -46,7 +46,6 @@ class RadixCache:
         self.allocator = allocator
         self.disable = disable
         self._leaves = EvictableLeaves(eviction_policy)  # unlocked, unpinned leaves in eviction order
-        self.eviction_policy = eviction_policy
         self._clock = itertools.count(1)
         # Told of every change to what is cached (inserted(tokens), evicted(path, key), cleared()): a data-parallel
         # scheduler reports them so the front end's mirror of this tree stays exact (scheduler_service/cache_events.py).
@@ -64,6 +63,10 @@ class RadixCache:
         self.locked_size = 0
         self.pinned_size = 0
 
+
+    @property
+    def eviction_policy(self) -> str:
+        return self._leaves.policy
     def _root(self, namespace: str | None, create: bool = True) -> TreeNode:
         """The namespace's root; without create, a detached empty one when the namespace holds nothing (so a
         stream of lookups with new salts leaves nothing behind)."""
@@ -111,6 +114,14 @@ class RadixCache:
         # Always a fresh array: the caller may write into it; the tree's values must not change.
         slots = np.concatenate([n.value for n in path]) if path else EMPTY.copy()
         return MatchResult(slots, path[-1] if path else root)
+
+    def record_hit(self, node: TreeNode) -> None:
+        """A request goes on to use the cached path that ends at node: one hit on each of its nodes (lfu order).
+        The scheduler looks with record_hit=False while a request may still wait, and counts it on admission."""
+        while node.parent is not None:
+            node.hit_count += 1
+            self._leaves.key_changed(node)
+            node = node.parent
 
     def insert(self, tokens, slots, namespace: str | None = None, priority: int = 0) -> int:
         """Store tokens -> slots in `namespace`; returns how many leading tokens were already cached there.

@@ -24,7 +24,7 @@ from radixserve.loader import load_dummy, load_safetensors
 from radixserve.models.registry import model_class
 from radixserve.worker.cuda_graph import DecodeCudaGraphs
 from radixserve.worker.pinned_staging import PinnedStaging
-from radixserve.worker.prompt_logprobs import prompt_logprobs
+from radixserve.worker.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from radixserve.protocol import (ForwardBatch, SampledTokens, TokenLogprobs, WorkerRequest, future_token_ring_size,
                                  unpack_i32)
 
@@ -249,7 +249,7 @@ class ModelRunner:
 
     def _compute_prompt_logprobs(self, batch, hidden, rows, prefix_lens, extend_lens, extend_start, num_extend):
         states = [self.request_states.get(int(r)) for r in rows[:num_extend]]
-        if not any(s is not None and s.params.prompt_logprobs is not None for s in states):
+        if not any(s is not None and wants_prompt_logprobs(s) for s in states):
             return
         sample_mask = np.frombuffer(batch.sample_mask, dtype=np.uint8)
         found = prompt_logprobs(self.model, hidden, unpack_i32(batch.input_ids), states, prefix_lens, extend_lens,
