@@ -96,6 +96,9 @@ class ServerArgs:
     disable_cuda_graph: bool = _flag(False, "Run decode steps eagerly instead of replaying captured CUDA graphs.")
     disable_pinned_staging: bool = _flag(False, "Copy each step's index arrays to the GPU from pageable memory (waits "
                                                "for the stream) instead of through pinned buffers (ablation).")
+    cpu_logits_block_mib: int = _flag(8, "CPU workers: logits into a buffer kept across steps and sampled in row "
+                                         "blocks of at most this many MiB, so that memory stays flat (0: the whole "
+                                         "batch at once, fresh tensors every step).")
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph (larger ones run eagerly).")
     # Off by default: on the H100, whole W1 runs with it measured slower than without (0.35x-0.55x, medians; per decode
     # step in steady state it was faster), with a suspected cause fixed since but not yet re-measured
@@ -162,6 +165,8 @@ class ServerArgs:
             raise ValueError(f"--max-pinned-tokens must be >= 0, got {self.max_pinned_tokens}")
         if self.pin_prompts is not None and not Path(self.pin_prompts).is_file():
             raise ValueError(f"--pin-prompts: no such file {self.pin_prompts}")
+        if self.cpu_logits_block_mib < 0:
+            raise ValueError(f"--cpu-logits-block-mib must be >= 0, got {self.cpu_logits_block_mib}")
         if self.shared_prefix_min_tokens < 1:
             raise ValueError(f"--shared-prefix-min-tokens must be >= 1, got {self.shared_prefix_min_tokens}")
         if self.max_sequences_per_request < 1:

@@ -96,7 +96,9 @@ def test_batch_of_four_equals_each_alone(setup):
     prompts = [random_ids(n, 10 + i) for i, n in enumerate(lengths)]
     alone = []
     for i, ids in enumerate(prompts):
-        alone.append(runner.compute_logits(batch([5], [0], [ids], [SlotPool(20 + i).take(len(ids))], [5]))[0])
+        # A copy: compute_logits's result is only valid until its next call (a kept buffer on the CPU, as CUDA
+        # graphs' output on the GPU).
+        alone.append(runner.compute_logits(batch([5], [0], [ids], [SlotPool(20 + i).take(len(ids))], [5]))[0].clone())
     pool = SlotPool(30)
     together = runner.compute_logits(batch([1, 2, 3, 4], [0] * 4, prompts, [pool.take(n) for n in lengths],
                                            [1, 2, 3, 4]))

@@ -65,12 +65,15 @@ class Sampler:
         self.vocab_size = vocab_size
         self.device = device
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState], positions: list[int]):
+    def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState], positions: list[int],
+                 want_logprobs: bool | None = None):
         """logits [B, V] (any float dtype); positions: the position of the token being sampled, per row.
-        Returns (token ids int64 [B], log-softmax of the raw logits or None)."""
+        Returns (token ids int64 [B], log-softmax of the raw logits or None). want_logprobs: whether to return the
+        log-softmax (default: when a row asks for logprobs; a caller sampling a batch in parts asks for every part)."""
         logits = logits.float()
         params = [s.params for s in states]
-        want_logprobs = any(p.logprobs is not None for p in params)
+        if want_logprobs is None:
+            want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         constrained = [i for i, s in enumerate(states) if s.grammar is not None and s.grammar.active]
         # min_tokens bans EOS with -inf, which can forbid every token the grammar allows (when only EOS may come): keep

@@ -20,6 +20,7 @@ from radixserve.distributed import get_tp_rank, get_tp_size
 from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
 from radixserve.grammar import WorkerGrammars
 from radixserve.layers.sampler import Sampler, SamplingRequestState
+from radixserve.worker.cpu_logits import CpuLogits
 from radixserve.loader import load_dummy, load_safetensors
 from radixserve.models.registry import model_class
 from radixserve.worker.cuda_graph import DecodeCudaGraphs
@@ -79,6 +80,10 @@ class ModelRunner:
             self.host_kv_cache = HostKVCache(self.kv_cache, self.num_host_slots)
         self.req_to_token_pool = ReqToTokenPool(server_args.max_running_requests, self.context_len, self.device)
         self.sampler = Sampler(cfg.vocab_size, self.device)
+        self.cpu_logits = None  # steady per-step memory on the CPU (radixserve/worker/cpu_logits.py)
+        if self.device.type == "cpu" and server_args.cpu_logits_block_mib > 0 and get_tp_size() == 1:
+            self.cpu_logits = CpuLogits(cfg.vocab_size, server_args.max_running_requests,
+                                        server_args.cpu_logits_block_mib, self.dtype)
         self.request_states: dict[int, SamplingRequestState] = {}  # by req_pool_idx
         self.grammars = WorkerGrammars(server_args.grammar_backend, server_args.tokenizer or model_dir,
                                        cfg.vocab_size, cfg.eos_token_ids,
@@ -190,7 +195,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
-        """Run the model on the batch; logits of each request's last token ([B, V]), or of every token."""
+        """Run the model on the batch; logits of each request's last token ([B, V]), or of every token. The result
+        is valid until the next call: a CUDA graph's output or the CPU's kept logits buffer may hold it."""
         if batch.host_save_host_slots or batch.host_load_host_slots:
             self._copy_host_tier(batch)
         for req in batch.new_requests:
@@ -245,6 +251,8 @@ class ModelRunner:
         if not all_positions:
             self._compute_prompt_logprobs(batch, hidden, rows, prefix_lens, extend_lens, extend_start, num_extend)
             hidden = hidden[last_index_t]
+            if self.cpu_logits is not None:
+                return self.cpu_logits.compute(self.model.lm_head, hidden)
         return self.model.compute_logits(hidden)
 
     def _compute_prompt_logprobs(self, batch, hidden, rows, prefix_lens, extend_lens, extend_start, num_extend):
@@ -279,10 +287,14 @@ class ModelRunner:
         if not len(rows):
             return SampledStep(batch.step, None, None, [], prompt_logprobs=prompt_logprobs)
         seq_lens = (unpack_i32(batch.prefix_lens) + unpack_i32(batch.extend_lens))[mask]
-        logits = logits[self.staging.to_device(np.flatnonzero(mask))] if not mask.all() else logits
         # The states themselves, not their rows: the next batch may already have given a row to a new request.
         states = [self.request_states[int(r)] for r in rows]
-        tokens, logprobs = self.sampler(logits, states, seq_lens.tolist())
+        if self.cpu_logits is not None:
+            tokens, logprobs = self.cpu_logits.sample(self.sampler, logits, np.flatnonzero(mask), states,
+                                                      seq_lens.tolist())
+        else:
+            logits = logits[self.staging.to_device(np.flatnonzero(mask))] if not mask.all() else logits
+            tokens, logprobs = self.sampler(logits, states, seq_lens.tolist())
         if batch.future_token_base >= 0:
             ring = (batch.future_token_base + torch.arange(len(rows), device=self.device)) % len(self.future_tokens)
             self.future_tokens[ring] = tokens
