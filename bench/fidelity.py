@@ -3,12 +3,18 @@ through radixserve's offline Engine, greedy, in fp32 and bf16, checked by HF tra
 
     python -m bench.fidelity --device cuda                    # 256 prompts x 64 tokens (the figure to keep)
     python -m bench.fidelity --device cpu --prompts 32        # a few minutes on a CPU
+    python -m bench.fidelity --device cuda --system-prompts 4 \
+        --modes float32,bfloat16,float32+shared-prefix,bfloat16+shared-prefix   # the shared-prefix decode path
 
 The measure, per mode: radixserve generates 64 tokens greedily for each prompt (ignore_eos, so every prompt gives 64
 positions); HF fp32 then reads prompt + those tokens in one forward (teacher forcing) and we count the positions
 where its argmax is the token radixserve chose. Teacher forcing keeps one early disagreement from turning the rest
 of a sequence into a comparison of two different texts. fp32 should agree everywhere; bf16 rounds, so the bar for it
 is HF's own bf16 on the same measure (HF bf16 greedy outputs, checked by HF fp32), printed alongside.
+With --system-prompts N every prompt gets one of N long system messages (~700 tokens each, so that the requests
+sharing one run as a group of the shared-prefix decode path), and a mode "DTYPE+shared-prefix" runs radixserve with
+shared-prefix decode attention (a plain "DTYPE" mode runs with --disable-shared-prefix-attention): the grouped
+kernels must agree with HF exactly as well as the plain ones do.
 Writes a JSON record with the command, machine, date and figures."""
 
 from __future__ import annotations
@@ -39,26 +45,53 @@ ASKS = ["Explain {} to a ten-year-old.", "Write a short poem about {}.", "What a
         "What questions do children ask about {}?", "Write a haiku about {}.", "How has {} changed over time?"]
 
 
-def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+PLACES = ["a science museum", "a public library", "a primary school", "a botanical garden", "a city archive",
+          "a radio station", "a cooking school", "a maritime museum"]
+
+
+def system_message(place: str) -> str:
+    """A long system prompt in the style of a deployed assistant's (~700 tokens): many requests share it."""
+    rules = [f"Rule {i + 1}: when a visitor asks about {subject}, answer in plain words, name one thing they could "
+             f"see or try at {place}, and keep the answer short enough to read aloud in a minute."
+             for i, subject in enumerate(SUBJECTS)]
+    return (f"You are the assistant of {place}. You answer visitors' questions politely and truthfully. " +
+            " ".join(rules) + f" Never invent opening hours or prices; send visitors to the front desk of {place} "
+            "for those. If a question is unclear, ask one short question back.")
+
+
+def chat_prompts(tokenizer, n: int, system_prompts: int = 0) -> list[list[int]]:
     pairs = list(itertools.product(ASKS, SUBJECTS))  # 256 distinct questions
     if n > len(pairs):
         raise SystemExit(f"--prompts is at most {len(pairs)}")
+    if system_prompts > len(PLACES):
+        raise SystemExit(f"--system-prompts is at most {len(PLACES)}")
     # Spread over subjects and question forms alike when n is small.
     chosen = [pairs[(i * 17) % len(pairs)] for i in range(n)]
-    return [list(tokenizer.apply_chat_template([{"role": "user", "content": ask.format(subject)}],
-                                               add_generation_prompt=True, tokenize=True, return_dict=False))
-            for ask, subject in chosen]
+    prompts = []
+    for i, (ask, subject) in enumerate(chosen):
+        messages = [{"role": "user", "content": ask.format(subject)}]
+        if system_prompts:
+            messages.insert(0, {"role": "system", "content": system_message(PLACES[i % system_prompts])})
+        prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                          return_dict=False)))
+    return prompts
 
 
-def radixserve_greedy(model_dir: Path, device: str, dtype: str, prompts: list[list[int]], new_tokens: int,
-                      watchdog_timeout: float | None) -> list[list[int]]:
+def radixserve_greedy(model_dir: Path, device: str, mode: str, prompts: list[list[int]], new_tokens: int,
+                      watchdog_timeout: float | None) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of one mode ("float32", "bfloat16+shared-prefix", ...) and the engine's cache statistics."""
+    dtype, _, variant = mode.partition("+")
+    if variant not in ("", "shared-prefix"):
+        raise SystemExit(f"unknown mode {mode!r}: a dtype, optionally with +shared-prefix")
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    with Engine(str(model_dir), device=device, dtype=dtype, watchdog_timeout=watchdog_timeout) as engine:
+    with Engine(str(model_dir), device=device, dtype=dtype, watchdog_timeout=watchdog_timeout,
+                disable_shared_prefix_attention=variant != "shared-prefix") as engine:
         results = engine.generate(prompts, params)
+        info = engine.server_info()
     for r in results:
         if r.error is not None or len(r.token_ids) != new_tokens:
-            raise RuntimeError(f"radixserve {dtype}: {r.finish_reason} after {len(r.token_ids)} tokens: {r.error}")
-    return [r.token_ids for r in results]
+            raise RuntimeError(f"radixserve {mode}: {r.finish_reason} after {len(r.token_ids)} tokens: {r.error}")
+    return [r.token_ids for r in results], info
 
 
 @torch.inference_mode()
@@ -111,7 +144,10 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--modes", default="float32,bfloat16", help="radixserve dtypes to check")
+    parser.add_argument("--modes", default="float32,bfloat16",
+                        help="radixserve modes to check: a dtype, or DTYPE+shared-prefix for the grouped decode path")
+    parser.add_argument("--system-prompts", type=int, default=0,
+                        help="give the prompts this many long shared system messages (0: none)")
     parser.add_argument("--watchdog-timeout", type=float, default=None,
                         help="the Engine's --watchdog-timeout (default the server's); a busy shared CPU may need more")
     parser.add_argument("--hf-batch", type=int, default=64, help="sequences per batch of HF's bf16 greedy decoding")
@@ -122,18 +158,21 @@ def main() -> int:
     started = datetime.now(timezone.utc)
     model_dir = smollm2_dir()
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts = chat_prompts(tokenizer, ns.prompts)
+    prompts = chat_prompts(tokenizer, ns.prompts, ns.system_prompts)
     hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(ns.device).eval()
 
     rows = {}
-    for dtype in ns.modes.split(","):
+    for mode in ns.modes.split(","):
         t0 = time.monotonic()
-        generated = radixserve_greedy(model_dir, ns.device, dtype, prompts, ns.new_tokens, ns.watchdog_timeout)
+        generated, info = radixserve_greedy(model_dir, ns.device, mode, prompts, ns.new_tokens, ns.watchdog_timeout)
         agree, total, whole = teacher_forced_agreement(hf32, prompts, generated, ns.device)
-        rows[f"radixserve {dtype}"] = {"agree": agree, "positions": total, "top1_agreement": agree / total,
-                                       "sequences_all_agree": whole, "seconds": round(time.monotonic() - t0, 1)}
-        print(f"radixserve {dtype}: {agree}/{total} = {agree / total:.4%} ({whole}/{len(prompts)} sequences whole)",
-              flush=True)
+        rows[f"radixserve {mode}"] = {"agree": agree, "positions": total, "top1_agreement": agree / total,
+                                      "sequences_all_agree": whole, "seconds": round(time.monotonic() - t0, 1),
+                                      "shared_prefix_tokens_saved": info.get("shared_prefix_tokens_saved", 0)}
+        print(f"radixserve {mode}: {agree}/{total} = {agree / total:.4%} ({whole}/{len(prompts)} sequences whole, "
+              f"{info.get('shared_prefix_tokens_saved', 0)} KV tokens read once for a group)", flush=True)
+        if mode.endswith("+shared-prefix") and not info.get("shared_prefix_tokens_saved"):
+            raise RuntimeError(f"{mode}: no decode ran grouped (are the shared system prompts long enough?)")
 
     t0 = time.monotonic()
     hf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(ns.device).eval()
@@ -148,6 +187,7 @@ def main() -> int:
     record = {"command": shlex.join(["python", "-m", "bench.fidelity", *sys.argv[1:]]),
               "date_utc": started.strftime("%Y-%m-%d %H:%M"), "machine": machine(ns.device), "device": ns.device,
               "model": "SmolLM2-135M-Instruct (radixserve.testing.smollm2_dir)", "prompts": len(prompts),
+              "system_prompts": ns.system_prompts, "mean_prompt_tokens": round(sum(map(len, prompts)) / len(prompts)),
               "new_tokens": ns.new_tokens, "transformers": transformers.__version__, "torch": torch.__version__,
               "measure": "top-1 agreement of HF fp32 (teacher-forced) with each mode's greedy tokens",
               "results": rows}
@@ -155,11 +195,10 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
-    fp32 = rows.get("radixserve float32")
-    bf16 = rows.get("radixserve bfloat16")
-    ok = ((fp32 is None or fp32["top1_agreement"] == 1.0)
-          and (bf16 is None or bf16["top1_agreement"] >= rows["HF transformers bfloat16 (reference bar)"]
-               ["top1_agreement"]))
+    # fp32 must agree everywhere; any other dtype at least as well as HF's own bf16 does.
+    bar = rows["HF transformers bfloat16 (reference bar)"]["top1_agreement"]
+    ok = all(row["top1_agreement"] == 1.0 if name.startswith("radixserve float32") else row["top1_agreement"] >= bar
+             for name, row in rows.items() if name.startswith("radixserve "))
     return 0 if ok else 1
 
 

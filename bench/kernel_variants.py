@@ -80,7 +80,7 @@ def audit(model_dir: str, shared_prefix: bool, in_process: bool, workload=None, 
     w = workload or audit_workload()
     args = dict(device="cpu", kernel_backend="triton", max_total_tokens=8192, max_running_requests=64,
                 shared_prefix_min_tokens=8)
-    args.update(engine_args, enable_shared_prefix_attention=shared_prefix)
+    args.update(engine_args, disable_shared_prefix_attention=not shared_prefix)
     prompts = prompts_for(w, 49152)
     recorder = recorder or {}
     found, seconds = {}, {}

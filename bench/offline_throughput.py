@@ -41,8 +41,8 @@ from radixserve.engine import Engine
 from radixserve.sampling import SamplingParams
 
 MODES = {  # name -> engine arguments
-    "shared prefix": {"enable_shared_prefix_attention": True},
-    "plain decode": {},
+    "shared prefix": {},
+    "plain decode": {"disable_shared_prefix_attention": True},
     "no cache": {"disable_radix_cache": True},
     "eager": {"disable_cuda_graph": True},
 }

@@ -1,5 +1,5 @@
 """Greedy tokens with shared-prefix decode attention against the plain decode path, in the GPU's dtype (issue 10's
-bf16 check): the same requests through two engines, one with --enable-shared-prefix-attention.
+bf16 check): the same requests through two engines, one with --disable-shared-prefix-attention.
 
     python -m bench.shared_prefix_agreement --config qwen3-0.6b --tokenizer DIR [--json-out FILE]
     python -m bench.shared_prefix_agreement --smoke      # tiny model on the CPU, fp32: must agree exactly
@@ -71,8 +71,8 @@ def main() -> None:
     systems = [rng.integers(100, vocab - 100, ns.system_len).tolist() for _ in range(ns.groups)]
     prompts = [systems[g] + rng.integers(100, vocab - 100, ns.question_len).tolist()
                for g in range(ns.groups) for _ in range(ns.per_group)]
-    grouped = run(model_dir, prompts, ns.new_tokens, enable_shared_prefix_attention=True, **engine_args)
-    plain = run(model_dir, prompts, ns.new_tokens, **engine_args)
+    grouped = run(model_dir, prompts, ns.new_tokens, **engine_args)
+    plain = run(model_dir, prompts, ns.new_tokens, disable_shared_prefix_attention=True, **engine_args)
     top1, identical = agreement(grouped, plain)
     record = run_record()
     row = {**record, "requests": len(prompts), "new_tokens": ns.new_tokens, "top1_agreement": round(top1, 5),

@@ -123,6 +123,16 @@ def single_node_loopback_env() -> dict[str, str]:
             if k not in os.environ}
 
 
+def cpu_worker_malloc_env() -> dict[str, str]:
+    """glibc moves its mmap and trim thresholds with what was freed last, so by default a CPU worker hands some of
+    each step's freed memory back to the system and faults it in again, zeroed, on a later step: its RSS saw-toothed by
+    ~50 MiB for minutes (bench/results/soak-cpu.md). With the mmap threshold fixed at 32 MiB every per-step tensor
+    comes from the heap (none is larger since radixserve/worker/cpu_logits.py), and with a 1 GiB trim threshold the
+    heap keeps what a step freed for the next one. A value already in the environment wins."""
+    keep = (("MALLOC_MMAP_THRESHOLD_", str(32 << 20)), ("MALLOC_TRIM_THRESHOLD_", str(1 << 30)))
+    return {k: v for k, v in keep if k not in os.environ}
+
+
 class Launcher:
     def __init__(self, args: ServerArgs, serve_http: bool = True):
         self.args = args
@@ -188,6 +198,8 @@ class Launcher:
         else:
             # A file store in the private directory: torch's TCPStore would listen on every interface.
             dist_init, env = f"file://{Path(endpoints.ipc_dir) / 'dist_store'}", single_node_loopback_env()
+        if self.args.device == "cpu":
+            env.update(cpu_worker_malloc_env())
         if self.args.device == "cuda" and (self.args.dp_size > 1 or self.args.base_gpu_id):
             # Each replica sees only its GPUs, so a worker's rank still picks its device.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(replica_gpus(self.args, dp_rank, visible_gpus()))

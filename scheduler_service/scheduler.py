@@ -96,7 +96,7 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         self._outputs: list[StepOutput] = []
         # Reused-slot ranges decided after a step (chunk insertion), sent with the next batch.
         self._pending_reused_slots: list[tuple[Req, ReusedSlots]] = []
-        self.decode_grouper = None if not args.enable_shared_prefix_attention or args.disable_radix_cache else \
+        self.decode_grouper = None if args.disable_shared_prefix_attention or args.disable_radix_cache else \
             DecodeGrouper(args.shared_prefix_min_tokens)
         self._last_prefix_groups: tuple = (None, 0, None, 0, 0)  # (groups, first decode, message, grouped, saved)
         self.decode_batch = DecodeBatch(context_len, eos_token_ids, enabled=not args.disable_incremental_decode_batch)

@@ -22,7 +22,7 @@ EOS_IDS = list(range(10, 30))  # ids the fake executor samples (about 2% of them
 
 def make_loop(overlap: bool, incremental: bool, num_kv_slots=4096, tokenizer=None, vocab_size=1000, **kw):
     kw.setdefault("max_running_requests", 16)
-    kw.setdefault("enable_shared_prefix_attention", True)  # the grouped decodes' arrays are compared too
+    # Shared-prefix attention is on by default, so the grouped decodes' arrays are compared too.
     args = ServerArgs(device="cpu", disable_overlap_schedule=not overlap,
                       disable_incremental_decode_batch=not incremental, **kw)
     scheduler = Scheduler(args, num_kv_slots, CONTEXT_LEN, EOS_IDS, tokenizer)

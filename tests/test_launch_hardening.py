@@ -130,6 +130,18 @@ def test_every_listening_socket_binds_the_configured_host(server):
             assert any(v.startswith(b"GLOO_SOCKET_IFNAME=lo") for v in environ), f"pid {pid}: {cmdline}"
 
 
+def test_cpu_workers_keep_their_freed_memory(server):
+    """A CPU worker's malloc keeps each step's freed memory for the next (radixserve/launcher.py
+    cpu_worker_malloc_env): by default glibc hands part of it back and the worker's RSS saw-tooths
+    (bench/results/soak-cpu.md)."""
+    workers = [pid for pid, cmd in process_tree(server.process.pid).items() if "radixserve.worker" in cmd]
+    assert workers
+    for pid in workers:
+        environ = set(Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"))
+        assert f"MALLOC_MMAP_THRESHOLD_={32 << 20}".encode() in environ
+        assert f"MALLOC_TRIM_THRESHOLD_={1 << 30}".encode() in environ
+
+
 def test_front_end_and_scheduler_never_load_torch(server):
     """Neither the HTTP process nor the scheduler runs a tensor op, so neither maps libtorch at runtime (the tokenizer
     loader once imported it through AutoTokenizer: ~190 MB and seconds of start-up in each, on every server)."""

@@ -29,7 +29,6 @@ def make_engine(model_dir, **kw) -> InProcessEngine:
     kw.setdefault("max_total_tokens", 8192)
     kw.setdefault("max_running_requests", 64)
     kw.setdefault("shared_prefix_min_tokens", MIN_TOKENS)
-    kw.setdefault("enable_shared_prefix_attention", True)
     engine = InProcessEngine(str(model_dir), device="cpu", **kw)
     engine.scheduler.check_invariant_every_step = True
     return engine
@@ -59,7 +58,7 @@ def assert_idle_and_clean(engine):
 @pytest.fixture(scope="module")
 def plain_outputs(model_dir):
     """The feature off: every decode reads its whole KV itself."""
-    engine = make_engine(model_dir, enable_shared_prefix_attention=False)
+    engine = make_engine(model_dir, disable_shared_prefix_attention=True)
     prompts = chat_prompts()
     results = engine.generate(prompts, params_for(prompts))
     assert engine.scheduler.stats.grouped_decodes == 0
@@ -165,7 +164,7 @@ def test_tensor_parallel_ranks_share_the_group_tables(model_dir, plain_outputs):
     its heads over the same groups, and /server_info counts the grouped decodes."""
     from radixserve.engine import Engine
     prompts, expected = plain_outputs
-    with Engine(str(model_dir), device="cpu", max_total_tokens=4096, tp_size=2, enable_shared_prefix_attention=True,
+    with Engine(str(model_dir), device="cpu", max_total_tokens=4096, tp_size=2,
                 shared_prefix_min_tokens=MIN_TOKENS) as engine:
         assert [r.token_ids for r in engine.generate(prompts, params_for(prompts))] == expected
         info = engine.server_info()

@@ -97,7 +97,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
             self.cuda_graphs = DecodeCudaGraphs(self.model, self.req_to_token_pool.table, self.context_len,
                                                 min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
-                                                grouped=server_args.enable_shared_prefix_attention,
+                                                grouped=not server_args.disable_shared_prefix_attention,
                                                 staging=self.staging)
 
     # ------------------------------------------------------------------ setup
