@@ -102,14 +102,27 @@ def test_logprobs_are_of_the_raw_distribution():
     assert torch.allclose(logprobs[0].exp(), PROBS / PROBS.sum(), atol=1e-6)
 
 
-def test_inverse_cdf_draws_match_the_distribution_and_never_a_zero_probability_token(monkeypatch):
+def test_inverse_cdf_draws_match_the_distribution_and_never_a_zero_probability_token():
     from radixserve.layers.sampler import _inverse_cdf_sample
     torch.manual_seed(0)
     p = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
-    draws = _inverse_cdf_sample(p.repeat(40_000, 1))
+    draws = _inverse_cdf_sample(p.repeat(40_000, 1), torch.rand(40_000))
     freq = torch.bincount(draws, minlength=6).float() / len(draws)
     assert freq[[0, 2, 5]].sum() == 0
     assert torch.allclose(freq, p, atol=0.01), freq
     # A draw at the very top of the cumulative sum lands past the last allowed token: the row's best token instead.
-    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.ones(*shape))
-    assert _inverse_cdf_sample(torch.tensor([[0.25, 0.75, 0.0]])).item() == 1
+    assert _inverse_cdf_sample(torch.tensor([[0.25, 0.75, 0.0]]), torch.ones(1)).item() == 1
+
+
+def test_seeded_rows_draw_from_the_distribution_whatever_their_batch():
+    """A seeded row's draw comes from (seed, position) alone: over many seeds it follows p, and each row gets the
+    same token alone as among unseeded neighbours."""
+    sampler = Sampler(VOCAB, torch.device("cpu"))
+    logits = LOGITS.unsqueeze(0).repeat(4_000, 1)
+    states = [state(seed=s) for s in range(4_000)]
+    tokens, _ = sampler(logits.clone(), states, [3] * 4_000)
+    freq = torch.bincount(tokens, minlength=VOCAB).float() / len(tokens)
+    assert torch.allclose(freq, PROBS / PROBS.sum(), atol=0.03), freq
+    mixed = [state(seed=None) if i % 2 else states[i] for i in range(40)]
+    among_others, _ = sampler(logits[:40].clone(), mixed, [3] * 40)
+    assert torch.equal(among_others[::2], tokens[:40:2])

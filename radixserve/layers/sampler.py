@@ -1,13 +1,15 @@
 """Token sampling on the logits of each request's last position: logit bias, penalties, grammar masks, temperature,
-top-k, top-p, min-p, per-request seeds. Rows draw from p by inverting its cumulative sum at one uniform number each;
-seeded rows use the exponential race (argmax of p / Exp(1) noise) with the noise from their own generator. Both draw
-from p exactly; the race needs a random number per vocabulary entry, which on the CPU was 60% of a 256-row step.
+top-k, top-p, min-p, per-request seeds. Every row draws from p exactly by inverting its cumulative sum at one uniform
+number: from the device's generator, or for a seeded request one computed on the host from (seed, position) alone.
+(Seeded rows once ran an exponential race with a generator and a vocabulary of noise each: six launches per row and
+step, which made a batch of 256 seeded requests host-bound on an H100.)
 
 Every change to a row's logits looks only at that row's own request, so a request gets the same tokens whatever else
 shares its batch (a constrained neighbour included)."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -42,19 +44,19 @@ class SamplingRequestState:
             self.grammar.accept(token)
 
 
-def _seed_noise(seed: int, position: int, vocab: int, device) -> torch.Tensor:
-    # The noise of a seeded request depends only on (seed, position), so a retracted and recomputed request, or the
+def _seeded_uniform(seed: int, position: int) -> float:
+    # The draw of a seeded request depends only on (seed, position), so a retracted and recomputed request, or the
     # same request in another batch, draws the same tokens.
-    gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF_FFFF)
-    return torch.empty(vocab, device=device).exponential_(generator=gen)
+    return random.Random((seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF_FFFF).random()
 
 
-def _inverse_cdf_sample(probs: torch.Tensor) -> torch.Tensor:
-    """One token per row of probs ([B, V], rows summing to ~1): the first whose cumulative probability passes a
-    uniform draw. A token of probability 0 (banned, masked by a grammar, cut by top-k) has an empty interval; float
-    rounding at the very top could still land on one, so such a pick falls back to the row's most likely token."""
+def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row of probs ([B, V], rows summing to ~1): the first whose cumulative probability passes the
+    row's uniform draw (uniforms [B] in [0, 1)). A token of probability 0 (banned, masked by a grammar, cut by top-k)
+    has an empty interval; float rounding at the very top could still land on one, so such a pick falls back to the
+    row's most likely token."""
     cdf = probs.cumsum(dim=-1)
-    target = torch.rand(probs.shape[0], 1, device=probs.device) * cdf[:, -1:]
+    target = uniforms.unsqueeze(1) * cdf[:, -1:]
     tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[1] - 1)
     allowed = probs.gather(1, tokens) > 0
     return torch.where(allowed, tokens, probs.argmax(dim=-1, keepdim=True)).squeeze(1)
@@ -90,10 +92,12 @@ class Sampler:
         temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], device=dev)
         probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
         probs = self._apply_top_k_top_p_min_p(probs, params)
-        tokens = _inverse_cdf_sample(probs)
-        for i, p in enumerate(params):
-            if p.seed is not None and not p.is_greedy:
-                tokens[i] = (probs[i] / _seed_noise(p.seed, positions[i], probs.shape[1], dev)).argmax()
+        uniforms = torch.rand(len(params), device=dev)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.is_greedy]
+        if seeded:  # one copy for all of them
+            uniforms[torch.tensor(seeded, device=dev)] = torch.tensor(
+                [_seeded_uniform(params[i].seed, positions[i]) for i in seeded], device=dev)
+        tokens = _inverse_cdf_sample(probs, uniforms)
         greedy = torch.tensor([p.is_greedy for p in params], device=dev)
         return torch.where(greedy, logits.argmax(dim=-1), tokens), raw_logprobs
 
