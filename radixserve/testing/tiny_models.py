@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from radixserve.testing._cache import build_cached_dir
+from radixserve.testing.qwen3_tokenizer import QWEN3_TOKENIZER_CACHE_NAME, QWEN3_VOCAB_SIZE, qwen3_tokenizer_dir
 from radixserve.testing.smollm2 import SMOLLM2_CACHE_NAME, _add_legacy_rope_keys, smollm2_dir
 
 # Bump when the files a build writes change, so stale cached directories are not reused.
@@ -98,6 +99,15 @@ _NORM_WEIGHT_STD = 0.1  # norm weights are 1 + N(0, this)
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
+# Which tokenizer a tiny model carries. "smollm2" (the default) keeps the models small; "qwen3" gives the Qwen3
+# tokenizer and chat template (thinking blocks, tool calls) with the vocabulary and special ids it needs.
+TOKENIZERS = ("smollm2", "qwen3")
+_TOKENIZER_CONFIG: dict[str, dict[str, Any]] = {
+    "smollm2": {},
+    # <|endoftext|> 151643, <|im_end|> 151645; chat ends on <|im_end|>.
+    "qwen3": dict(vocab_size=QWEN3_VOCAB_SIZE, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643),
+}
+
 
 def _config_class(arch: str):
     import transformers
@@ -123,12 +133,16 @@ def tiny_config(arch: str, **config_overrides: Any):
 
 
 def make_tiny_model(
-    arch: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32", **config_overrides: Any
+    arch: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32", tokenizer: str = "smollm2",
+    **config_overrides: Any
 ) -> Path:
     """Write a tiny random-weight HF model directory for `arch` into `out_dir` and return its path.
 
-    The same (arch, seed, dtype, overrides) always gives the same weights.
+    The same (arch, seed, dtype, tokenizer, overrides) always gives the same weights.
     """
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
+    config_overrides = {**_TOKENIZER_CONFIG[tokenizer], **config_overrides}
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -160,7 +174,7 @@ def make_tiny_model(
     model.save_pretrained(out_dir)
     _add_legacy_rope_keys(out_dir / "config.json")
 
-    _copy_tokenizer_files(smollm2_dir(), out_dir)
+    _copy_tokenizer_files(smollm2_dir() if tokenizer == "smollm2" else qwen3_tokenizer_dir(), out_dir)
     # The tokenizer should not promise more context than the model has.
     tok_config_path = out_dir / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text())
@@ -172,10 +186,13 @@ def make_tiny_model(
 def tiny_model_dir(arch: str, **overrides: Any) -> Path:
     """A cached `make_tiny_model(arch, **overrides)` directory, built once per machine.
 
-    `overrides` may hold seed, dtype and config keys; each distinct set gets its own directory.
+    `overrides` may hold seed, dtype, tokenizer ("smollm2" or "qwen3") and config keys; each distinct set gets its
+    own directory.
     """
-    tiny_config(arch, **{k: v for k, v in overrides.items() if k not in ("seed", "dtype")})  # validate early
-    key = json.dumps({"arch": arch, "overrides": overrides, "tokenizer": SMOLLM2_CACHE_NAME}, sort_keys=True)
+    tiny_config(arch, **{k: v for k, v in overrides.items() if k not in ("seed", "dtype", "tokenizer")})  # early
+    tokenizer = overrides.get("tokenizer", "smollm2")
+    cache_name = SMOLLM2_CACHE_NAME if tokenizer == "smollm2" else QWEN3_TOKENIZER_CACHE_NAME
+    key = json.dumps({"arch": arch, "overrides": overrides, "tokenizer": cache_name}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     name = f"tiny-{arch}-{digest}-{TINY_BUILD_VERSION}"
     return build_cached_dir(name, lambda tmp_dir: make_tiny_model(arch, tmp_dir, **overrides))
