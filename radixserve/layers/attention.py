@@ -21,9 +21,19 @@ class Attention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+        self.store(k, v)
+        return self.attend(q, k, v)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The new tokens' K/V into their slots (k/v: [T, Hkv, D])."""
+        kernels.store_kv(k, v, self.k_cache, self.v_cache, get_forward_context().out_cache_loc)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None):
+        """Attention of the new tokens' queries (q: [T, Hq, D]) over their cached context and the new tokens (k/v:
+        [T, Hkv, D], already stored); into `out` when given (a piecewise CUDA graph's static buffer of T rows or
+        more). Returns the output [T, Hq, D]."""
         ctx = get_forward_context()
-        kernels.store_kv(k, v, self.k_cache, self.v_cache, ctx.out_cache_loc)
-        o = torch.empty_like(q)
+        o = torch.empty_like(q) if out is None else out[:q.shape[0]]
         n, t = ctx.num_extend_reqs, ctx.num_extend_tokens
         if n:
             kernels.extend_attention(q[:t], k[:t], v[:t], o[:t], self.k_cache, self.v_cache, ctx.req_to_token,

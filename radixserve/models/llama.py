@@ -33,7 +33,8 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def query(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Q/K/V of the new tokens ([T, H, D] each), K/V stored into their KV slots."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
@@ -42,8 +43,14 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
         self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v)
+        self.attn.store(k, v)
+        return q, k, v
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o.reshape(-1, self.q_size))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(self.attn.attend(*self.query(positions, hidden)))
 
 
 class LlamaMLP(nn.Module):
@@ -67,16 +74,27 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual):
+    # A layer is two halves around the attention kernels, so that a piecewise CUDA graph can capture everything
+    # between one layer's attention and the next (radixserve/worker/prefill_cuda_graph.py) while attention, whose
+    # launch depends on the batch's shape, runs eagerly.
+    def before_attention(self, positions, hidden, residual):
+        """Norm (with the residual add), Q/K/V, K/V stored: ((Q, K, V), the residual stream)."""
         # The residual stream is carried separately so each norm can fuse the residual add.
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.self_attn.query(positions, hidden), residual
+
+    def after_attention(self, o, residual):
+        """Output projection, norm (with the residual add) and MLP: (hidden, the residual stream)."""
+        hidden, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
         return self.mlp(hidden), residual
+
+    def forward(self, positions, hidden, residual):
+        qkv, residual = self.before_attention(positions, hidden, residual)
+        return self.after_attention(self.self_attn.attn.attend(*qkv), residual)
 
 
 class LlamaModel(nn.Module):
@@ -93,6 +111,19 @@ class LlamaModel(nn.Module):
             hidden, residual = layer(positions, hidden, residual)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    # The same forward cut at the attention kernels: piece(0) runs up to layer 0's attention, piece(i) from layer
+    # i-1's attention output to layer i's, piece(num_layers) from the last attention output to the final norm.
+    # forward() == the pieces in turn with each layer's attention in between (tests/test_prefill_cuda_graph.py).
+    def piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
+        """Piece i: x is the input ids (i == 0) or layer i-1's attention output; returns ((Q, K, V) of layer i,
+        residual), or (hidden, None) after the final norm for i == num_layers."""
+        if i == 0:
+            return self.layers[0].before_attention(positions, self.embed_tokens(x), None)
+        hidden, residual = self.layers[i - 1].after_attention(x, residual)
+        if i == len(self.layers):
+            return self.norm(hidden, residual)[0], None
+        return self.layers[i].before_attention(positions, hidden, residual)
 
 
 class LlamaForCausalLM(nn.Module):
