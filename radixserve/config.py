@@ -100,6 +100,11 @@ class ServerArgs:
                                          "blocks of at most this many MiB, so that memory stays flat (0: the whole "
                                          "batch at once, fresh tensors every step).")
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph (larger ones run eagerly).")
+    disable_prefill_cuda_graph: bool = _flag(False, "Run prefill and mixed steps eagerly instead of replaying "
+                                                    "piecewise CUDA graphs (attention eager between captured "
+                                                    "pieces; radixserve/worker/prefill_cuda_graph.py).")
+    prefill_cuda_graph_max_tokens: int = _flag(2048, "Largest step (new tokens) that replays piecewise prefill CUDA "
+                                                     "graphs; larger steps run eagerly.")
     # On by default since the H100 measured it faster end to end (W1 1.09x on Qwen3-8B and 1.24x on 0.6B, nothing
     # lost on unshared prompts) and as exact as the plain path on real weights (bench/results/h100-2026-11-23/).
     disable_shared_prefix_attention: bool = _flag(False, "Decodes that share a cached prefix read its KV each on its "

@@ -4,12 +4,14 @@ The scheduler sends token ids; clients want text, a piece at a time. Two things 
 `decode(new_ids)`:
 
 * Byte-level BPE tokens (GPT-2, Llama-3, Qwen) and SentencePiece byte-fallback tokens can end in the
-  middle of a UTF-8 character ("😀" may be three tokens). Decoding such a prefix yields U+FFFD. We keep
-  a small window of token ids: `prefix` tokens (already emitted, decoded only as context so that
-  tokenizers which strip a leading space see the same neighbourhood as a full decode) and `pending`
-  tokens (not yet emitted). Text is emitted only when the window's decode does not end in U+FFFD,
-  i.e. when the pending tokens end on a character boundary; the window then slides forward.
-  This is the prefix/read-offset scheme of vLLM and SGLang; every step decodes O(window) tokens.
+  middle of a UTF-8 character ("😀" may be three tokens). Decoding such a prefix yields U+FFFD. Text is
+  emitted only when the pending tokens end on a character boundary, decoded after a few emitted tokens
+  as context (so that tokenizers which strip a leading space see the same neighbourhood as a full
+  decode). This is the prefix/read-offset scheme of vLLM and SGLang, run by the `tokenizers` library's
+  own `DecodeStream` in Rust: ~1 us a token, where two calls of the tokenizer's Python `decode` a token
+  cost ~9 us (1.1 ms a step for 128 streams). One case the stream leaves unbounded: tokens that never
+  complete a character (invalid bytes) keep every step's decode ending in U+FFFD; past a few such
+  tokens we find a stable split point ourselves, emit up to it, and restart the stream there.
 * Stop strings end a sequence where the scheduler says (it decides every finish and sends the stop string that
   matched with the last token, scheduler_service/stop_strings.py); the text shown must not contain it. A stop
   string can span several tokens or start inside a token, so text that could still become the start of one is
@@ -29,6 +31,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Sequence
+
+from tokenizers.decoders import DecodeStream
 
 REPLACEMENT_CHAR = "\ufffd"
 
@@ -53,7 +57,7 @@ class DetokenizerDelta:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, hiding stop strings.
 
-    `tokenizer` is anything with a HF-style `decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=...)`.
+    `tokenizer` is a Hugging Face fast tokenizer (its Rust `backend_tokenizer` decodes) or a `tokenizers.Tokenizer`.
     `prompt_ids` supplies left context only; it is never part of the output.
     """
 
@@ -66,20 +70,18 @@ class IncrementalDetokenizer:
         include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        self._backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # decodes without transformers' Python
         self.skip_special_tokens = skip_special_tokens
         # Empty stop strings would match everywhere; duplicates only cost time.
         self.stop_strings: tuple[str, ...] = tuple(dict.fromkeys(s for s in stop_strings if s))
         self._include_stop = include_stop_str_in_output
 
-        # Token window: window[:read] was emitted (context), window[read:] is pending.
-        context = _as_int_list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:]
-        if context and self._decode(context).endswith(REPLACEMENT_CHAR):
-            # A prompt ending inside a character: its tail cannot serve as clean context, and the
-            # output's first bytes then decode on their own, as `decode(output_ids)` does.
-            context = []
-        self._window: list[int] = context
-        self._read = len(context)
-        self._prefix_text: str | None = None  # cached decode(window[:read]); None = recompute
+        # A prompt ending inside a character: its tail cannot serve as clean context, and the output's first
+        # bytes then decode on their own, as `decode(output_ids)` does.
+        context = self._clean_context(_as_int_list(prompt_ids)[-PROMPT_CONTEXT_TOKENS:])
+        self._context: list[int] = context  # the last few emitted tokens (prompt tokens at first)
+        self._pending: list[int] = []  # fed to the stream, text not yet emitted
+        self._stream = DecodeStream(context, skip_special_tokens=skip_special_tokens)
 
         # Text that passed the UTF-8 stage but is held back as a possible stop-string start.
         self._held = ""
@@ -100,8 +102,8 @@ class IncrementalDetokenizer:
 
     @property
     def window_size(self) -> int:
-        """Token ids currently decoded per step (context + pending); stays small, see module doc."""
-        return len(self._window)
+        """Token ids a step may decode (context + pending); stays small, see module doc."""
+        return len(self._context) + len(self._pending)
 
     @property
     def output_text(self) -> str:
@@ -112,8 +114,10 @@ class IncrementalDetokenizer:
         """Feed newly generated token ids; returns the text that became safe to show."""
         if self._stopped or self._flushed:
             return self._delta("")
-        self._window.extend(_as_int_list(new_ids))
-        buffer = self._held + self._next_stable_text()
+        new_ids = _as_int_list(new_ids)
+        if not new_ids:
+            return self._delta("")
+        buffer = self._held + self._next_stable_text(new_ids)
         hold = self._partial_stop_suffix_len(buffer)
         self._held = buffer[len(buffer) - hold :]
         return self._delta(buffer[: len(buffer) - hold])
@@ -127,13 +131,11 @@ class IncrementalDetokenizer:
         if self._stopped or self._flushed:
             return self._delta("")
         self._flushed = True
-        self._window.extend(_as_int_list(last_ids))
+        pending = self._pending + _as_int_list(last_ids)
         shown_held = len(self._held)
-        text = self._held + self._decode(self._window)[len(self._prefix()) :]
+        text = self._held + self._decode(self._context + pending)[len(self._decode(self._context)) :]
         self._held = ""
-        self._window = []
-        self._read = 0
-        self._prefix_text = ""
+        self._context, self._pending = [], []
         if matched_stop:
             self._stopped, self._matched_stop = True, matched_stop
             start = self._stop_start(text, shown_held, matched_stop)
@@ -148,47 +150,52 @@ class IncrementalDetokenizer:
     # ------------------------------------------------------------------------------ UTF-8 stage
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        # The Rust decode leaves spaces as they are (transformers' clean_up_tokenization_spaces=False).
+        return self._backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-    def _prefix(self) -> str:
-        if self._prefix_text is None:
-            self._prefix_text = self._decode(self._window[: self._read])
-        return self._prefix_text
+    def _next_stable_text(self, new_ids: list[int]) -> str:
+        """Text of the pending tokens that can no longer change, new_ids included."""
+        self._pending += new_ids
+        try:
+            text = self._stream.step(self._backend, new_ids if len(new_ids) > 1 else new_ids[0])
+        except Exception:  # the decode is not prefix-consistent here: wait for more tokens, as on U+FFFD
+            text = None
+        if text is not None:
+            self._emitted(len(self._pending))
+            return text
+        if len(self._pending) <= MAX_INCOMPLETE_CHAR_TOKENS:
+            return ""  # usually a character still being completed by the next tokens
+        return self._split_long_run()
 
-    def _advance(self, new_read: int) -> None:
-        """Tokens up to `new_read` are emitted: the old pending start becomes the new context start."""
-        del self._window[: self._read]
-        self._read = new_read - self._read
-        self._prefix_text = None
+    def _clean_context(self, ids: list[int]) -> list[int]:
+        """ids as decoding context, or none if they end inside a character or in invalid bytes (U+FFFD): the
+        stream cannot start after such a tail, and text after a stable boundary decodes the same on its own."""
+        return [] if ids and self._decode(ids).endswith(REPLACEMENT_CHAR) else ids
 
-    def _next_stable_text(self) -> str:
-        """Text of pending tokens that can no longer change, advancing the window past it."""
-        prefix_text = self._prefix()
-        full_text = self._decode(self._window)
-        if not full_text.endswith(REPLACEMENT_CHAR):
-            if len(full_text) < len(prefix_text):
-                return ""  # decode not prefix-consistent at this point: wait for more tokens
-            # Also advance when nothing new is visible (skipped special tokens), so that a run of
-            # them cannot grow the window.
-            self._advance(len(self._window))
-            return full_text[len(prefix_text) :]
+    def _emitted(self, count: int) -> None:
+        """The first `count` pending tokens are emitted: they become the context."""
+        self._context = (self._context + self._pending[:count])[-PROMPT_CONTEXT_TOKENS:]
+        del self._pending[:count]
 
-        # Ends in U+FFFD: usually a character still being completed by the next tokens.
-        pending = len(self._window) - self._read
-        if pending <= MAX_INCOMPLETE_CHAR_TOKENS:
-            return ""
-        # Long run ending in U+FFFD (invalid bytes, or characters chained across tokens). A split point
-        # is a stable boundary when decoding both halves separately gives the same text as decoding
-        # them together: then the left half's bytes cannot combine with anything that follows.
-        lowest = max(self._read + 1, len(self._window) - MAX_INCOMPLETE_CHAR_TOKENS)
-        for split in range(len(self._window) - 1, lowest - 1, -1):
-            left_text = self._decode(self._window[:split])
-            if left_text + self._decode(self._window[split:]) == full_text:
+    def _split_long_run(self) -> str:
+        """A long run of pending tokens whose decode still ends in U+FFFD (invalid bytes, or characters chained
+        across tokens). A split point is a stable boundary when decoding both halves separately gives the same
+        text as decoding them together: then the left half's bytes cannot combine with anything that follows.
+        Emit up to the last such point and restart the stream after it."""
+        window = self._context + self._pending
+        prefix_text = self._decode(self._context)
+        full_text = self._decode(window)
+        lowest = max(len(self._context) + 1, len(window) - MAX_INCOMPLETE_CHAR_TOKENS)
+        for split in range(len(window) - 1, lowest - 1, -1):
+            left_text = self._decode(window[:split])
+            if left_text + self._decode(window[split:]) == full_text:
                 if not left_text.startswith(prefix_text):
                     return ""  # tokenizer not decoding prefix-consistently here: wait, stay correct
-                self._advance(split)
+                self._emitted(split - len(self._context))
+                self._context = self._clean_context(self._context)
+                self._stream = DecodeStream(self._context, skip_special_tokens=self.skip_special_tokens)
+                if self._pending:
+                    self._stream.step(self._backend, self._pending)  # (ends in U+FFFD: no text yet)
                 return left_text[len(prefix_text) :]
         return ""
 

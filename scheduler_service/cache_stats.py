@@ -48,7 +48,7 @@ def cache_numbers(scheduler) -> dict[str, int | float | str | bool | None]:
 
 def cache_stats(scheduler, request_id: str) -> CacheStats:
     s = scheduler
-    numbers = {"num_running": len(s.running), "num_waiting": len(s.waiting), **cache_numbers(s)}
+    numbers = {"num_running": s.num_running, "num_waiting": len(s.waiting), **cache_numbers(s)}
     prefixes = [CachedPrefix(pack_i32(p["tokens"]), int(p["num_tokens"]), int(p["hits"]), float(p["last_use"]),
                              bool(p["pinned"]), p["namespace"])
                 for p in s.tree.largest_prefixes(LARGEST_PREFIXES)]

@@ -13,6 +13,7 @@ from typing import Protocol
 
 from radixserve.ipc import Channel
 from radixserve.protocol import ForwardBatch, SampledTokens
+from radixserve.worker.step_pipeline import StepPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -26,29 +27,22 @@ class Executor(Protocol):
 
 
 class InProcessExecutor:
-    """A ModelRunner (one rank) in this process, pipelined as a worker process runs it (radixserve/worker/worker.py):
-    a step's logits are computed when it is launched, before the previous step's tokens are read back; a step's
-    tokens are read back when the next one is launched or when they are collected, whichever comes first."""
+    """A ModelRunner (one rank) in this process, pipelined as a worker process runs it (radixserve/worker/
+    step_pipeline.py): a step's forward is queued when it is launched, before the previous step is read back."""
 
     def __init__(self, runner):
-        self.runner = runner
+        self.pipeline = StepPipeline(runner)
         self._done: deque[SampledTokens] = deque()
-        self._sampled = None  # the last step launched: sampled on the device, not read back
 
     def launch(self, batch: ForwardBatch) -> None:
-        logits = self.runner.compute_logits(batch)
-        self._finish_sampled()
-        self._sampled = self.runner.sample(batch, logits)
+        done = self.pipeline.launch(batch)
+        if done is not None:
+            self._done.append(done)
 
     def collect(self) -> SampledTokens:
         if not self._done:
-            self._finish_sampled()
+            self._done.append(self.pipeline.finish())
         return self._done.popleft()
-
-    def _finish_sampled(self) -> None:
-        if self._sampled is not None:
-            self._done.append(self.runner.finish_step(self._sampled))
-            self._sampled = None
 
 
 class WorkerProcessesExecutor:

@@ -34,7 +34,7 @@ class MemoryPressureMixin:
         if self.running:
             # Prefilling requests hold slots but none can take its next chunk: retract the least advanced.
             self._retract_or_fail(min(self.running, key=lambda r: (len(r.output_ids), r.kv_len)))
-        elif self.waiting:
+        elif self.waiting and not self.finishing:  # (finishing requests free their KV once their token is back)
             # Alone, admission always tries the first request in order; if even it cannot start, it never will.
             req = order_waiting_queue(self.waiting, self.tree, self.args, self.step_count)[0]
             if min(req.num_fill, self.chunked_prefill_size) > self.slot_allocator.num_free + self.tree.evictable_size:
@@ -46,7 +46,7 @@ class MemoryPressureMixin:
         cache to itself it still has no room, so it can never finish here."""
         self.running.remove(victim)
         self._release(victim, insert=False)
-        if not self.running:
+        if not self.num_running:
             self._fail(victim, self._cannot_hold(victim, "so far"))
             return False
         victim.status = ReqStatus.WAITING

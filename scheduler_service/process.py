@@ -116,12 +116,12 @@ class SchedulerProcess:
     def _server_info(self) -> dict:
         s = self.scheduler
         try:
-            s.check_invariant(walk_tree=not s.running)  # the whole tree only at idle, where it costs no step
+            s.check_invariant(walk_tree=not s.num_running)  # the whole tree only at idle, where it costs no step
             invariant_ok = True
         except KVInvariantError:
             invariant_ok = False
         usage = s.kv_usage()
-        return {"num_running": len(s.running), "num_waiting": len(s.waiting), "kv_invariant_ok": invariant_ok,
+        return {"num_running": s.num_running, "num_waiting": len(s.waiting), "kv_invariant_ok": invariant_ok,
                 **{f"kv_{k}": v for k, v in usage.items()}, "context_len": s.context_len,
                 # The most tokens one sequence can ever hold: the front ends refuse larger requests with a 400.
                 "kv_pool_tokens": s.slot_allocator.num_total,
@@ -161,7 +161,7 @@ class SchedulerProcess:
             return
         s = self.scheduler
         usage = s.kv_usage()
-        load = SchedulerLoad(len(s.running), len(s.waiting), usage["protected"] + usage["owned"],
+        load = SchedulerLoad(s.num_running, len(s.waiting), usage["protected"] + usage["owned"],
                              usage["evictable"], usage["total"])
         messages = [out.to_message() for out in outputs]
         self.to_tokenizer.send(BatchOutput(messages, load))

@@ -35,6 +35,8 @@ class Req:
         self.req_pool_idx: int | None = None
         # True until the worker has been told this request's sampling params for its current row.
         self.needs_worker_registration = True
+        # Overlapped loop: the token in flight is this request's last (Scheduler.set_aside_finishing).
+        self.finishing = False
         # The tenant's namespace in the radix tree: its prefixes are matched and inserted there only (None: shared).
         self.cache_salt: str | None = None
         # Admission order under --enable-priority-scheduling: higher first, within the aging bound (policy.py).

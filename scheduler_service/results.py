@@ -159,7 +159,7 @@ class ResultsMixin:
         """A running request ends with its num_outputs-th output. The step in flight may hold its next decode: that
         placeholder goes, and the slot the decode writes is in kv_len, so it is released with the rest (once)."""
         del req.output_ids[num_outputs:]
-        self.running.remove(req)
+        self._stop_running(req)
         self._release(req, insert=True)
         self._finish(req, reason)
 

@@ -87,6 +87,9 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         self.chunked_prefill_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else NO_CHUNKING
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # hold a row: decoding, or prefilling in chunks
+        # Overlapped loop: requests whose token in flight is certainly their last (length). They hold their row and
+        # KV but take no further step; process_results ends them when that token arrives (set_aside_finishing).
+        self.finishing: list[Req] = []
         self.requests: dict[str, Req] = {}
         self.new_token_ratio = args.init_new_token_ratio
         self.step_count = 0
@@ -129,14 +132,30 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         if req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
         else:
-            self.running.remove(req)
+            self._stop_running(req)
             self._release(req, insert=False)
         self._finish(req, "abort")
         self._outputs.append(StepOutput(req, [], finished=True))
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self._outputs)
+        return bool(self.waiting or self.running or self.finishing or self._outputs)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.finishing)
+
+    def set_aside_finishing(self, reqs: list[Req]) -> None:
+        """Overlapped loop: these requests' tokens in the step just launched end them by length whatever they are,
+        so no later step computes for them (a max_tokens=1 request takes one forward, not two)."""
+        for req in reqs:
+            req.finishing = True
+        self.finishing += reqs
+        self.running = [r for r in self.running if not r.finishing]
+
+    def _stop_running(self, req: Req) -> None:
+        (self.finishing if req.finishing else self.running).remove(req)
+        req.finishing = False
 
     def take_outputs(self) -> list[StepOutput]:
         """Everything requests got since the last call, in order; the step loop calls it once per step."""
@@ -147,7 +166,7 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
 
     def flush_cache(self, keep_pins: bool = True) -> bool:
         """Drop every cached prefix but the pinned ones (those too with keep_pins=False); only when idle."""
-        if self.running or self.waiting:
+        if self.running or self.finishing or self.waiting:
             return False
         self.tree.reset(keep_pins=keep_pins)
         if self.host_tier is not None:
@@ -158,6 +177,8 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
     def kv_usage(self) -> dict[str, int]:
         # Every step's load report asks this: two C-level sums instead of a property call per running request.
         owned = sum(map(_kv_len, self.running)) - sum(map(_tree_len, self.running))  # Req.owned_slots, summed
+        if self.finishing:
+            owned += sum(r.owned_slots for r in self.finishing)
         return {"total": self.slot_allocator.num_total, "free": self.slot_allocator.num_free,
                 "evictable": self.tree.evictable_size, "protected": self.tree.protected_size, "owned": owned}
 
@@ -167,11 +188,11 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         if u["free"] + u["evictable"] + u["protected"] + u["owned"] != u["total"]:
             raise KVInvariantError(f"KV slot leak: free {u['free']} + evictable {u['evictable']} + protected "
                                    f"{u['protected']} + owned by requests {u['owned']} != total {u['total']}")
-        if not self.running and self.tree.locked_size:  # (pinned tokens are protected too, and rightly so)
+        if not self.num_running and self.tree.locked_size:  # (pinned tokens are protected too, and rightly so)
             raise KVInvariantError(f"{self.tree.locked_size} cached tokens still locked with no running request")
-        if self.row_allocator.num_free + len(self.running) != self.row_allocator.num_total:
+        if self.row_allocator.num_free + self.num_running != self.row_allocator.num_total:
             raise KVInvariantError(f"req_to_token rows leaked: {self.row_allocator.num_free} free + "
-                                   f"{len(self.running)} running != {self.row_allocator.num_total}")
+                                   f"{self.num_running} running != {self.row_allocator.num_total}")
         if walk_tree:
             try:
                 self.tree.check_invariants()

@@ -6,8 +6,10 @@ SerialStepLoop waits for step N's tokens before it builds step N+1 (--disable-ov
 scheduler's CPU work and the socket hops hide behind the forward. Step N's tokens are not known when N+1 is built:
 each request that samples in N gets a placeholder output id (protocol.future_token_placeholder), N+1 feeds that
 placeholder as the request's next input, and the worker swaps in the real token, which never left the device.
-process_results(N) then writes the real token over the placeholder. A request that ends with N's token has one
-wasted decode in N+1 (its slot for that step is released with the rest of its KV, once, when it finishes).
+process_results(N) then writes the real token over the placeholder. A request that ends with N's token by a stop
+(EOS, a stop string) has one wasted decode in N+1 (its slot for that step is released with the rest of its KV, once,
+when it finishes); one that ends by length is known to at launch, and is set aside (Scheduler.set_aside_finishing):
+no later step computes for it.
 Prompt chunks go into the radix tree as their step is launched, not when it returns: a request admitted into step
 N+1 can share a prompt that step N computes (the workers run steps in order, so N has written that KV by then)."""
 
@@ -86,21 +88,29 @@ class OverlapStepLoop(SerialStepLoop):
         sees it as decoding one more token; the batch tells the worker where in the ring to keep the real ones."""
         base = self.next_future
         scheduled.batch.future_token_base = base
+        s = self.scheduler
         if scheduled.decodes is not None:  # decodes alone, as arrays: the same placeholders without a loop
             n = len(scheduled.reqs)
             ring = (base + np.arange(n)) % self.ring_size
-            output_index = self.scheduler.decode_batch.placeholders(scheduled.decodes, -1 - ring)
+            output_index = s.decode_batch.placeholders(scheduled.decodes, -1 - ring)
             if output_index is not None:
                 self.next_future = (base + n) % self.ring_size
+                last = np.flatnonzero(scheduled.decodes.num_outputs + 1 >= scheduled.decodes.run.limits)
+                if len(last):
+                    s.set_aside_finishing([scheduled.reqs[i] for i in last.tolist()])
                 return output_index
-        output_index = []
+        output_index, last = [], []
         i = base
         for req, samples in zip(scheduled.reqs, scheduled.samples):
             if samples:
                 output_index.append(len(req.output_ids))
                 req.output_ids.append(future_token_placeholder(i))
                 i = i + 1 if i + 1 < self.ring_size else 0
+                if len(req.output_ids) >= min(req.params.max_new_tokens, s.context_len - len(req.prompt_ids)):
+                    last.append(req)
         self.next_future = i
+        if last:
+            s.set_aside_finishing(last)
         return output_index
 
     def _room_for_every_running_request(self) -> bool:

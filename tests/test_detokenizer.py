@@ -124,18 +124,19 @@ def test_prompt_context_is_not_part_of_output(tok):
     assert "".join(deltas) == "Hello there"
 
 
-class LeadingSpaceStrippingTokenizer:
-    """SentencePiece-like toy: "▁" marks a space, and decode drops the space at the very start, so a
+def leading_space_stripping_tokenizer():
+    """SentencePiece-like: "▁" marks a space, and the Metaspace decoder drops the space at the very start, so a
     token decodes differently at the start of a string than after another token."""
+    from tokenizers import Tokenizer, decoders, models
 
-    pieces = ["▁Hello", "▁world", "!", "▁again"]
-
-    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
-        return "".join(self.pieces[i] for i in ids).replace("▁", " ").removeprefix(" ")
+    vocab = {piece: i for i, piece in enumerate(["▁Hello", "▁world", "!", "▁again", "<unk>"])}
+    toy = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    toy.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    return toy
 
 
 def test_prompt_context_keeps_leading_space_of_first_output_token():
-    toy = LeadingSpaceStrippingTokenizer()
+    toy = leading_space_stripping_tokenizer()
     deltas, _ = stream(IncrementalDetokenizer(toy, prompt_ids=[0]), [1, 2, 3])
     assert "".join(deltas) == " world! again"  # as in decode(prompt + output), minus the prompt
     deltas, _ = stream(IncrementalDetokenizer(toy), [1, 2, 3])

@@ -148,17 +148,34 @@ def test_stop_strings_with_overlap(tokenizer):
     assert any(reason == "stop" for _, reason, _ in results.values())
 
 
-def test_a_request_finished_in_step_n_wastes_one_decode_and_frees_its_slot_once():
-    params = SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+def test_a_request_that_ends_by_length_takes_no_step_after_its_last_token():
+    """Its last token's step is known at launch: the overlapped loop schedules nothing more for it (a max_tokens=1
+    request is one forward), and the KV invariant holds after every step (run() checks it)."""
+    for max_new_tokens, steps in [(1, 1), (3, 3)]:
+        params = SamplingParams(temperature=0, max_new_tokens=max_new_tokens, ignore_eos=True)
+        loop = make_loop(True)
+        req = Req("one", list(range(20, 40)), params)
+        run(loop, [req])
+        assert len(loop.executor.batches) == steps  # the prefill, then one decode per further token
+        assert req.output_ids == run(make_loop(False), [Req("one", list(range(20, 40)), params)])["one"][0]
+        assert len(req.output_ids) == max_new_tokens and min(req.output_ids) >= 0
+
+
+def test_a_request_that_stops_on_a_token_wastes_one_decode_and_frees_its_slot_once():
+    """A stop (here: EOS) is known only once the token is back, so the step after it, launched before, decodes a
+    placeholder for it; that slot goes back exactly once (run() checks the invariant at idle)."""
+    serial = make_loop(False)
+    probe = Req("probe", list(range(20, 40)), SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True))
+    run(serial, [probe])
+    eos = probe.output_ids[1]  # the fake model's second token: make it the stop token
+    params = SamplingParams(temperature=0, max_new_tokens=8, stop_token_ids=[eos])
     loop = make_loop(True)
     req = Req("one", list(range(20, 40)), params)
-    run(loop, [req])  # asserts the KV invariant at idle: the wasted decode's slot went back exactly once
+    run(loop, [req])
     batches = loop.executor.batches
-    # prefill, two decodes, and one decode launched before the third token was known to be the last
-    assert len(batches) == 4
+    assert req.output_ids == probe.output_ids[:2] and req.finish_reason == "stop"
+    assert len(batches) == 3, "prefill, a decode, and one decode launched before the stop token was known"
     assert unpack_i32(batches[-1].input_ids)[0] < 0, "the wasted step decodes a placeholder"
-    assert req.output_ids == run(make_loop(False), [Req("one", list(range(20, 40)), params)])["one"][0]
-    assert len(req.output_ids) == 3 and min(req.output_ids) >= 0
 
 
 # ---------------------------------------------------------------- tiny model, in this process and multi-process

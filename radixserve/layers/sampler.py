@@ -12,6 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from radixserve.grammar import RequestGrammar, allocate_bitmask, apply_bitmask, fill_bitmasks
@@ -62,10 +63,18 @@ def _inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     return torch.where(allowed, tokens, probs.argmax(dim=-1, keepdim=True)).squeeze(1)
 
 
+def _plain_upload(device: torch.device):
+    return lambda array: torch.from_numpy(np.ascontiguousarray(array)).to(device, non_blocking=True)
+
+
 class Sampler:
-    def __init__(self, vocab_size: int, device: torch.device):
+    def __init__(self, vocab_size: int, device: torch.device, upload=None):
+        """upload(np.ndarray) -> the array on the device, without waiting for the device: the worker passes its
+        pinned staging (radixserve/worker/pinned_staging.py). torch.tensor(list, device=...) from pageable memory
+        waits for every kernel queued before it, the forward included, so no per-row value goes that way."""
         self.vocab_size = vocab_size
         self.device = device
+        self.upload = upload or _plain_upload(device)
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState], positions: list[int],
                  want_logprobs: bool | None = None):
@@ -89,16 +98,16 @@ class Sampler:
             return logits.argmax(dim=-1), raw_logprobs
 
         dev = logits.device
-        temps = torch.tensor([p.temperature if not p.is_greedy else 1.0 for p in params], device=dev)
+        temps = self.upload(np.array([p.temperature if not p.is_greedy else 1.0 for p in params], dtype=np.float32))
         probs = torch.softmax(logits / temps.unsqueeze(1), dim=-1)
-        probs = self._apply_top_k_top_p_min_p(probs, params)
+        probs = self._apply_top_k_top_p_min_p(probs, params, self.upload)
         uniforms = torch.rand(len(params), device=dev)
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.is_greedy]
-        if seeded:  # one copy for all of them
-            uniforms[torch.tensor(seeded, device=dev)] = torch.tensor(
-                [_seeded_uniform(params[i].seed, positions[i]) for i in seeded], device=dev)
+        if seeded:
+            uniforms[self.upload(np.array(seeded, dtype=np.int64))] = self.upload(np.array(
+                [_seeded_uniform(params[i].seed, positions[i]) for i in seeded], dtype=np.float32))
         tokens = _inverse_cdf_sample(probs, uniforms)
-        greedy = torch.tensor([p.is_greedy for p in params], device=dev)
+        greedy = self.upload(np.array([p.is_greedy for p in params], dtype=np.bool_))
         return torch.where(greedy, logits.argmax(dim=-1), tokens), raw_logprobs
 
     def _apply_logit_bias(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
@@ -111,8 +120,8 @@ class Sampler:
             s = states[i]
             if s.logit_bias_tensors is None:
                 token_ids, biases = zip(*s.params.logit_bias.items())
-                s.logit_bias_tensors = (torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-                                        torch.tensor(biases, dtype=torch.float32, device=self.device))
+                s.logit_bias_tensors = (self.upload(np.array(token_ids, dtype=np.int64)),
+                                        self.upload(np.array(biases, dtype=np.float32)))
             row_ids, row_values = s.logit_bias_tensors
             row_index.append(torch.full_like(row_ids, i))
             ids.append(row_ids)
@@ -153,20 +162,20 @@ class Sampler:
                 count_rows.append(i)
             if s.seen_mask is not None and p.repetition_penalty != 1.0:
                 seen_rows.append(i)
-        dev = logits.device
+        up = self.upload
         if ban_rows:
-            logits[torch.tensor(ban_rows, device=dev), torch.tensor(ban_ids, device=dev)] = float("-inf")
+            logits[up(np.array(ban_rows, dtype=np.int64)), up(np.array(ban_ids, dtype=np.int64))] = float("-inf")
         if count_rows:
-            rows = torch.tensor(count_rows, device=dev)
+            rows = up(np.array(count_rows, dtype=np.int64))
             counts = torch.stack([states[i].output_counts for i in count_rows]).to(logits.dtype)
-            freq = torch.tensor([states[i].params.frequency_penalty for i in count_rows], device=dev)
-            presence = torch.tensor([states[i].params.presence_penalty for i in count_rows], device=dev)
+            freq = up(np.array([states[i].params.frequency_penalty for i in count_rows], dtype=np.float32))
+            presence = up(np.array([states[i].params.presence_penalty for i in count_rows], dtype=np.float32))
             logits[rows] -= (freq.to(logits.dtype).unsqueeze(1) * counts
                              + presence.to(logits.dtype).unsqueeze(1) * (counts > 0).to(logits.dtype))
         if seen_rows:
-            rows = torch.tensor(seen_rows, device=dev)
+            rows = up(np.array(seen_rows, dtype=np.int64))
             seen = torch.stack([states[i].seen_mask for i in seen_rows])
-            penalty = torch.tensor([states[i].params.repetition_penalty for i in seen_rows], device=dev)
+            penalty = up(np.array([states[i].params.repetition_penalty for i in seen_rows], dtype=np.float32))
             penalty = penalty.to(logits.dtype).unsqueeze(1)
             row = logits[rows]
             penalised = torch.where(row > 0, row / penalty, row * penalty)
@@ -174,7 +183,7 @@ class Sampler:
         return logits
 
     @staticmethod
-    def _apply_top_k_top_p_min_p(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def _apply_top_k_top_p_min_p(probs: torch.Tensor, params: list[SamplingParams], upload) -> torch.Tensor:
         vocab = probs.shape[1]
         top_ks = [p.top_k if p.top_k > 0 else vocab for p in params]
         top_ps = [p.top_p for p in params]
@@ -182,13 +191,13 @@ class Sampler:
         if any(k < vocab for k in top_ks) or any(tp < 1.0 for tp in top_ps):
             sorted_probs, order = probs.sort(dim=-1, descending=True)
             rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
-            cut = rank >= torch.tensor(top_ks, device=probs.device).unsqueeze(1)
+            cut = rank >= upload(np.array(top_ks, dtype=np.int64)).unsqueeze(1)
             # Keep the smallest head whose mass reaches top_p: drop a token when the mass before it already does.
             mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-            cut |= mass_before >= torch.tensor(top_ps, device=probs.device).unsqueeze(1)
+            cut |= mass_before >= upload(np.array(top_ps, dtype=np.float32)).unsqueeze(1)
             sorted_probs = sorted_probs.masked_fill(cut, 0.0)
             probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
         if any(mp > 0 for mp in min_ps):
-            floor = torch.tensor(min_ps, device=probs.device).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            floor = upload(np.array(min_ps, dtype=np.float32)).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < floor, 0.0)
         return probs

@@ -24,6 +24,7 @@ from radixserve.worker.cpu_logits import CpuLogits
 from radixserve.loader import load_dummy, load_safetensors
 from radixserve.models.registry import model_class
 from radixserve.worker.cuda_graph import DecodeCudaGraphs
+from radixserve.worker.prefill_cuda_graph import PrefillCudaGraphs
 from radixserve.worker.pinned_staging import PinnedStaging
 from radixserve.worker.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from radixserve.protocol import (ForwardBatch, SampledTokens, TokenLogprobs, WorkerRequest, future_token_ring_size,
@@ -41,13 +42,28 @@ def batch_positions(prefix_lens: np.ndarray, extend_lens: np.ndarray) -> np.ndar
 
 
 @dataclass
+class StepInputs:
+    """A ForwardBatch unpacked once (ModelRunner.prepare): host arrays, device tensors, the attention layout."""
+    batch: ForwardBatch
+    rows: np.ndarray  # int32 req_to_token rows, batch order
+    prefix_lens: np.ndarray
+    extend_lens: np.ndarray
+    extend_start: np.ndarray  # each request's first new token in the flat batch
+    input_ids: torch.Tensor  # int64 [T], placeholders resolved
+    positions: torch.Tensor  # int64 [T]
+    last_index: torch.Tensor  # int64 [B]: each request's last new token
+    ctx: ForwardContext
+    decode_graph: bool  # decodes alone, replayed as one decode CUDA graph
+
+
+@dataclass
 class SampledStep:
     """A step whose tokens are sampled on the device but not yet read back (ModelRunner.sample -> finish_step)."""
     step: int
-    tokens: torch.Tensor | None  # None: nothing sampled this step
-    logprobs: torch.Tensor | None
+    tokens: torch.Tensor | None  # on the host (pinned, being copied on a GPU); None: nothing sampled this step
+    logprobs: tuple | None  # on the host likewise: (chosen [B], top values [B, k], top ids [B, k]), or None
     states: list[SamplingRequestState]
-    done: "torch.cuda.Event | None" = None  # recorded after sampling (GPU): query() tells whether the tokens exist
+    done: "torch.cuda.Event | None" = None  # recorded after the copies to the host (GPU): query() tells if they ran
     prompt_logprobs: list = field(default_factory=list)  # PromptLogprobs computed by this step's forward
 
     def ready(self) -> bool:
@@ -79,7 +95,8 @@ class ModelRunner:
                 raise ValueError(f"--hicache-size {server_args.hicache_size} GB holds no token of KV")
             self.host_kv_cache = HostKVCache(self.kv_cache, self.num_host_slots)
         self.req_to_token_pool = ReqToTokenPool(server_args.max_running_requests, self.context_len, self.device)
-        self.sampler = Sampler(cfg.vocab_size, self.device)
+        self.staging = PinnedStaging(self.device, enabled=not server_args.disable_pinned_staging)
+        self.sampler = Sampler(cfg.vocab_size, self.device, upload=self.staging.to_device)
         self.cpu_logits = None  # steady per-step memory on the CPU (radixserve/worker/cpu_logits.py)
         if self.device.type == "cpu" and server_args.cpu_logits_block_mib > 0 and get_tp_size() == 1:
             self.cpu_logits = CpuLogits(cfg.vocab_size, server_args.max_running_requests,
@@ -92,13 +109,17 @@ class ModelRunner:
         self.future_tokens = torch.zeros(future_token_ring_size(server_args.max_running_requests), dtype=torch.int64,
                                          device=self.device)
         self._prompt_logprobs: dict[int, list] = {}  # by step: computed in compute_logits, sent by finish_step
-        self.staging = PinnedStaging(self.device, enabled=not server_args.disable_pinned_staging)
         self.cuda_graphs = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
             self.cuda_graphs = DecodeCudaGraphs(self.model, self.req_to_token_pool.table, self.context_len,
                                                 min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
                                                 grouped=not server_args.disable_shared_prefix_attention,
                                                 staging=self.staging)
+        self.prefill_graphs = None
+        if (self.device.type == "cuda" and not server_args.disable_cuda_graph
+                and not server_args.disable_prefill_cuda_graph and server_args.prefill_cuda_graph_max_tokens > 0):
+            self.prefill_graphs = PrefillCudaGraphs(self.model, server_args.prefill_cuda_graph_max_tokens,
+                                                    self.req_to_token_pool.table)
 
     # ------------------------------------------------------------------ setup
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
@@ -147,12 +168,14 @@ class ModelRunner:
         vocab = self.model_config.vocab_size
         counts = seen = None
         outputs = unpack_i32(req.output_ids)
+        # Uploads through the staging buffers: a plain .to(device) from pageable memory waits for the device.
         if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            counts = torch.bincount(torch.from_numpy(outputs.astype(np.int64)), minlength=vocab).to(self.device)
+            counts = self.staging.to_device(np.bincount(outputs, minlength=vocab).astype(np.int64))
         if p.repetition_penalty != 1.0:
             seen = torch.zeros(vocab, dtype=torch.bool, device=self.device)
             ids = np.concatenate([unpack_i32(req.penalty_prompt_ids), outputs]).astype(np.int64)
-            seen[torch.from_numpy(ids).to(self.device)] = True
+            if len(ids):
+                seen[self.staging.to_device(ids)] = True
         self.request_states[req.req_pool_idx] = SamplingRequestState(
             params=p, eos_ids=self.model_config.eos_token_ids, num_outputs=len(outputs), output_counts=counts,
             seen_mask=seen, grammar=self.grammars.matcher(p, outputs.tolist()))
@@ -193,16 +216,16 @@ class ModelRunner:
                                  len(unpack_i32(batch.req_pool_indices)) - num_extend, max_prefix_len,
                                  max_group_size)
 
-    @torch.inference_mode()
-    def compute_logits(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
-        """Run the model on the batch; logits of each request's last token ([B, V]), or of every token. The result
-        is valid until the next call: a CUDA graph's output or the CPU's kept logits buffer may hold it."""
+    def prepare(self, batch: ForwardBatch, all_positions: bool = False) -> StepInputs:
+        """Unpack the batch once: host-tier copies queued, new requests registered, the step's index arrays on the
+        device (two copies through pinned staging), req_to_token written, the attention layout built."""
         if batch.host_save_host_slots or batch.host_load_host_slots:
             self._copy_host_tier(batch)
         for req in batch.new_requests:
             self._register(req)
         rows, prefix_lens = unpack_i32(batch.req_pool_indices), unpack_i32(batch.prefix_lens)
         extend_lens = unpack_i32(batch.extend_lens)
+        host_input_ids = unpack_i32(batch.input_ids)
         positions = batch_positions(prefix_lens, extend_lens)
         seq_lens = prefix_lens + extend_lens
         extend_start = (np.cumsum(extend_lens) - extend_lens).astype(np.int32)
@@ -212,47 +235,70 @@ class ModelRunner:
         rows_t, prefix_t, extend_t, start_t, seq_lens_t, table_slots_t = self._to_device(
             [rows, prefix_lens, extend_lens, extend_start, seq_lens, table_slots], np.int32)
         input_ids, positions_t, table_index_t, last_index_t = self._to_device(
-            [unpack_i32(batch.input_ids), positions, table_index, last_index], np.int64)
-        if (unpack_i32(batch.input_ids) < 0).any():
+            [host_input_ids, positions, table_index, last_index], np.int64)
+        if (host_input_ids < 0).any():
             # Placeholders (-(index + 1)) of tokens the previous step sampled: resolved here, with no host sync.
             input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids - 1).clamp_(min=0)], input_ids)
         # Every position the kernels read goes through one table, written here and nowhere else.
-        table = self.req_to_token_pool.table
         self.req_to_token_pool.write(table_index_t, table_slots_t)
-        out_cache_loc = table_slots_t[:len(new_slots)]
 
         # Decodes come last in a batch; find where that tail starts. One new token over a cached context is a decode
         # for the kernels whatever the context's length, a 1-token prompt (context 0) included: such a batch
         # replays a decode graph instead of launching the extend path's kernels one by one.
         not_decode = np.flatnonzero(extend_lens != 1)
         num_extend = int(not_decode[-1]) + 1 if len(not_decode) else 0
-        if num_extend == 0 and not all_positions and self.cuda_graphs is not None and self.cuda_graphs.fits(len(rows)):
-            return self.cuda_graphs.replay(input_ids, positions_t, rows_t, seq_lens_t, out_cache_loc,
-                                           batch.prefix_groups)
         ctx = ForwardContext(
             num_extend_reqs=num_extend,
             num_extend_tokens=int(extend_lens[:num_extend].sum()),
-            req_to_token=table,
+            req_to_token=self.req_to_token_pool.table,
             req_pool_indices=rows_t,
             prefix_lens=prefix_t,
             extend_lens=extend_t,
             extend_start_loc=start_t,
             seq_lens=seq_lens_t,
-            out_cache_loc=out_cache_loc,
+            out_cache_loc=table_slots_t[:len(new_slots)],
             max_extend_len=int(extend_lens[:num_extend].max(initial=0)),
             max_seq_len=int(seq_lens[num_extend:].max(initial=0)),
-            decode_groups=self._decode_groups(batch, num_extend),
+            decode_groups=None,
         )
-        set_forward_context(ctx)
+        decode_graph = (num_extend == 0 and not all_positions and self.cuda_graphs is not None
+                        and self.cuda_graphs.fits(len(rows)))
+        if not decode_graph:  # (a decode graph keeps its own group table)
+            ctx.decode_groups = self._decode_groups(batch, num_extend)
+        return StepInputs(batch, rows, prefix_lens, extend_lens, extend_start, input_ids, positions_t, last_index_t,
+                          ctx, decode_graph)
+
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        """The forward of a step that is not a decode graph's: hidden states of every new token, from a piecewise
+        prefill CUDA graph when the step's token count has one, else eager."""
+        if self.prefill_graphs is not None and self.prefill_graphs.fits(len(inputs.input_ids)):
+            return self.prefill_graphs.run(inputs.input_ids, inputs.positions, inputs.ctx)
+        set_forward_context(inputs.ctx)
         try:
-            hidden = self.model(input_ids, positions_t)
+            return self.model(inputs.input_ids, inputs.positions)
         finally:
             set_forward_context(None)
-        if not all_positions:
-            self._compute_prompt_logprobs(batch, hidden, rows, prefix_lens, extend_lens, extend_start, num_extend)
-            hidden = hidden[last_index_t]
-            if self.cpu_logits is not None:
-                return self.cpu_logits.compute(self.model.lm_head, hidden)
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
+        """Run the model on the batch; logits of each request's last token ([B, V]), or of every token. The result
+        is valid until the next call: a CUDA graph's output or the CPU's kept logits buffer may hold it."""
+        inputs = self.prepare(batch, all_positions)
+        if inputs.decode_graph:  # the whole step, LM head included, in one replay
+            ctx = inputs.ctx
+            return self.cuda_graphs.replay(inputs.input_ids, inputs.positions, ctx.req_pool_indices, ctx.seq_lens,
+                                           ctx.out_cache_loc, batch.prefix_groups)
+        return self.logits(inputs, self.run_model(inputs), all_positions)
+
+    def logits(self, inputs: StepInputs, hidden: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
+        """The LM head over each request's last new token (or every token), prompt logprobs on the way."""
+        if all_positions:
+            return self.model.compute_logits(hidden)
+        self._compute_prompt_logprobs(inputs.batch, hidden, inputs.rows, inputs.prefix_lens, inputs.extend_lens,
+                                      inputs.extend_start, inputs.ctx.num_extend_reqs)
+        hidden = hidden[inputs.last_index]
+        if self.cpu_logits is not None:
+            return self.cpu_logits.compute(self.model.lm_head, hidden)
         return self.model.compute_logits(hidden)
 
     def _compute_prompt_logprobs(self, batch, hidden, rows, prefix_lens, extend_lens, extend_start, num_extend):
@@ -280,7 +326,8 @@ class ModelRunner:
     @torch.inference_mode()
     def sample(self, batch: ForwardBatch, logits: torch.Tensor) -> "SampledStep":
         """Sample the batch's tokens; they stay on the device (and in the future-token ring for the next batch's
-        placeholders) until finish_step. The worker may compute the next batch's logits in between."""
+        placeholders), and a copy to pinned host memory is queued at once, behind the sampling and ahead of anything
+        launched later, so that finish_step waits for this step alone (step_pipeline.py says why)."""
         mask = np.frombuffer(batch.sample_mask, dtype=np.uint8).astype(bool)
         rows = unpack_i32(batch.req_pool_indices)[mask]
         prompt_logprobs = self._prompt_logprobs.pop(batch.step, [])
@@ -298,32 +345,47 @@ class ModelRunner:
         if batch.future_token_base >= 0:
             ring = (batch.future_token_base + torch.arange(len(rows), device=self.device)) % len(self.future_tokens)
             self.future_tokens[ring] = tokens
+        chosen_logprobs = self._chosen_logprobs(logprobs, tokens, states)
+        host_tokens = tokens.to("cpu", non_blocking=True)  # into pinned memory on a GPU; itself on the CPU
+        if chosen_logprobs is not None:
+            chosen_logprobs = tuple(t.to("cpu", non_blocking=True) for t in chosen_logprobs)
         done = None
         if self.device.type == "cuda":
             done = torch.cuda.Event()
             done.record()
-        return SampledStep(batch.step, tokens, logprobs, states, done, prompt_logprobs)
+        return SampledStep(batch.step, host_tokens, chosen_logprobs, states, done, prompt_logprobs)
 
     @torch.inference_mode()
     def finish_step(self, step: "SampledStep") -> SampledTokens:
-        """The sampled tokens to the host (waits for them), into each request's sampling state, as a message."""
+        """The sampled tokens on the host (waits for their copy only), into each request's sampling state, as a
+        message."""
         if step.tokens is None:
             return SampledTokens(step=step.step, token_ids=b"", prompt_logprobs=step.prompt_logprobs)
-        token_list = step.tokens.tolist()
-        for state, token in zip(step.states, token_list):
+        if step.done is not None:
+            step.done.synchronize()
+        token_array = step.tokens.numpy()
+        for state, token in zip(step.states, token_array.tolist()):
             state.on_sampled(token)
-        return SampledTokens(step=step.step, token_ids=np.asarray(token_list, dtype=np.int32).tobytes(),
-                             logprobs=self._logprobs(step.logprobs, step.tokens, step.states),
+        return SampledTokens(step=step.step, token_ids=token_array.astype(np.int32).tobytes(),
+                             logprobs=self._logprobs(step.logprobs, step.states),
                              prompt_logprobs=step.prompt_logprobs)
 
     @staticmethod
-    def _logprobs(logprobs, tokens, states) -> list[TokenLogprobs | None]:
+    def _chosen_logprobs(logprobs, tokens, states):
+        """On the device: each row's logprob of its token and the top-k (k the largest any row asks for), or None."""
+        if logprobs is None:
+            return None
+        k_max = max(s.params.logprobs or 0 for s in states)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        top_vals, top_ids = logprobs.topk(max(k_max, 1), dim=-1)
+        return chosen, top_vals.float(), top_ids.int()
+
+    @staticmethod
+    def _logprobs(logprobs, states) -> list[TokenLogprobs | None]:
         if logprobs is None:
             return []
-        k_max = max(s.params.logprobs or 0 for s in states)
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
-        top_vals, top_ids = logprobs.topk(max(k_max, 1), dim=-1)
-        top_vals, top_ids = top_vals.cpu().numpy(), top_ids.cpu().numpy().astype(np.int32)
+        chosen, top_vals, top_ids = (t.numpy() for t in logprobs)
+        chosen = chosen.tolist()
         out = []
         for i, s in enumerate(states):
             k = s.params.logprobs

@@ -15,6 +15,7 @@ from radixserve.ipc import Channel, Endpoints
 from radixserve.protocol import ForwardBatch, SchedulerToWorker, Shutdown, WorkerReady
 from radixserve.worker.model_runner import ModelRunner
 from radixserve.worker.profiler import StepProfiler
+from radixserve.worker.step_pipeline import StepPipeline
 
 logger = logging.getLogger(__name__)
 
@@ -35,36 +36,31 @@ def run_worker(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready,
     on_ready({"num_kv_slots": runner.num_kv_slots, "device": str(runner.device)})
     logger.info("rank %d ready: %d KV slots, context %d", rank, runner.num_kv_slots, runner.context_len)
     profiler = StepProfiler(rank)
-    # Pipelined steps: the next batch's forward is queued on the device before this step's tokens are read back,
-    # so the device does not idle while the host waits for them, reports them and prepares the next batch (the
-    # overlapped scheduler sends step N+1 before it waits for step N). Sampling N+1 waits for N's tokens to reach
-    # the sampling states (penalties, grammars), so the order on the device is forward N+1, then sample N+1.
-    in_flight = None  # a SampledStep not yet reported
+    pipeline = StepPipeline(runner)  # (why the next forward is queued before this step is read back: there)
     while True:
-        message = from_scheduler.recv() if in_flight is None else _next_batch_while_busy(from_scheduler, in_flight)
+        message = from_scheduler.recv() if pipeline.in_flight is None else _next_batch_while_busy(from_scheduler,
+                                                                                                     pipeline)
         if message is None:  # nothing else queued: report the step in flight
-            _report(runner.finish_step(in_flight), rank, to_scheduler)
-            in_flight = None
+            _report(pipeline.finish(), rank, to_scheduler)
             continue
         if isinstance(message, Shutdown):
             break
         assert isinstance(message, ForwardBatch)
         progress.begin()  # launch.py's watchdog times each batch (radixserve/heartbeat.py)
-        logits = runner.compute_logits(message)
-        if in_flight is not None:
-            _report(runner.finish_step(in_flight), rank, to_scheduler)
-        in_flight = runner.sample(message, logits)
+        done = pipeline.launch(message)
+        if done is not None:
+            _report(done, rank, to_scheduler)
         progress.end()
         profiler.step()
     destroy_tensor_parallel()
 
 
-def _next_batch_while_busy(from_scheduler: Channel, in_flight):
-    """The next batch if one arrives before the step in flight has its tokens (then it is worth launching first),
-    else None."""
+def _next_batch_while_busy(from_scheduler: Channel, pipeline: StepPipeline):
+    """The next batch if one arrives before the step in flight has its tokens on the host (then it is worth
+    launching first), else None."""
     while True:
         message = from_scheduler.recv_nowait()
-        if message is not None or in_flight.ready():
+        if message is not None or pipeline.ready():
             return message
 
 
