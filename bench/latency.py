@@ -64,6 +64,29 @@ def timed(engine: Engine, prompt: list[int], max_new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
+def measure(engine: Engine, decode_tokens: int, prefix_len: int, new_len: int, repeats: int) -> tuple[list, ...]:
+    """Seconds of each repeat: 1 and decode_tokens greedy tokens of one 16-token prompt, and the first token of a
+    1-token prompt, of a cache hit (prefix_len cached + new_len new) and of a cold prompt (prefix_len + new_len)."""
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    fresh = lambda n: rng.integers(100, vocab - 100, n).tolist()  # noqa: E731 - a fresh random prompt
+    decode_prompt = fresh(16)
+    system = fresh(prefix_len)
+    for _ in range(2):  # warm-up on every shape measured below
+        timed(engine, decode_prompt, decode_tokens)
+        timed(engine, decode_prompt, 1)
+        timed(engine, fresh(1), 1)
+        timed(engine, system + fresh(new_len), 1)
+        timed(engine, fresh(prefix_len + new_len), 1)
+    one = [timed(engine, decode_prompt, 1) for _ in range(repeats)]
+    many = [timed(engine, decode_prompt, decode_tokens) for _ in range(repeats)]
+    ttft_one_token = [timed(engine, fresh(1), 1) for _ in range(repeats)]
+    ttft_hit = [timed(engine, system + fresh(new_len), 1) for _ in range(repeats)]
+    ttft_cold = [timed(engine, fresh(prefix_len + new_len), 1) for _ in range(repeats)]
+    assert engine.server_info()["kv_invariant_ok"]
+    return one, many, ttft_one_token, ttft_hit, ttft_cold
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="qwen3-0.6b")
@@ -87,29 +110,12 @@ def main() -> None:
 
     check_repeats(ns.repeats)
     model_dir = str(dummy_config_dir(ns.config, ns.tokenizer))
-    vocab = json.loads(open(f"{model_dir}/config.json").read())["vocab_size"]
-    rng = np.random.default_rng(0)
-    fresh = lambda n: rng.integers(100, vocab - 100, n).tolist()  # noqa: E731 - a fresh random prompt
     gpu = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth_gbs()
     floor_ms = weight_bytes(model_dir, ns.tp_size) / (bandwidth * 1e9) * 1e3
-
     with Engine(model_dir, load_format="dummy", device="cuda", tp_size=ns.tp_size, **extra) as engine:
-        decode_prompt = fresh(16)
-        system = fresh(ns.prefix_len)
-        # Warm-up on every shape measured below.
-        for _ in range(2):
-            timed(engine, decode_prompt, ns.decode_tokens)
-            timed(engine, decode_prompt, 1)
-            timed(engine, fresh(1), 1)
-            timed(engine, system + fresh(ns.new_len), 1)
-            timed(engine, fresh(ns.prefix_len + ns.new_len), 1)
-        one = [timed(engine, decode_prompt, 1) for _ in range(ns.repeats)]
-        many = [timed(engine, decode_prompt, ns.decode_tokens) for _ in range(ns.repeats)]
-        ttft_one_token = [timed(engine, fresh(1), 1) for _ in range(ns.repeats)]
-        ttft_hit = [timed(engine, system + fresh(ns.new_len), 1) for _ in range(ns.repeats)]
-        ttft_cold = [timed(engine, fresh(ns.prefix_len + ns.new_len), 1) for _ in range(ns.repeats)]
-        assert engine.server_info()["kv_invariant_ok"]
+        one, many, ttft_one_token, ttft_hit, ttft_cold = measure(engine, ns.decode_tokens, ns.prefix_len, ns.new_len,
+                                                                 ns.repeats)
 
     ms = lambda xs: round(statistics.median(xs) * 1e3, 2)  # noqa: E731
     spread = lambda xs: [round(min(xs) * 1e3, 2), round(max(xs) * 1e3, 2)]  # noqa: E731

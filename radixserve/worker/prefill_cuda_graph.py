@@ -31,10 +31,12 @@ logger = logging.getLogger(__name__)
 
 
 def token_buckets(max_tokens: int) -> list[int]:
-    """Powers of two from 16 to 256, then every 256 up to max_tokens: padding wastes at most half a small step and
-    under a third of a large (GPU-bound) one."""
-    sizes = [s for s in (16, 32, 64, 128, 256) if s < max_tokens] + list(range(256, max_tokens + 1, 256))
-    return sorted(set(sizes) | {max_tokens}) if max_tokens >= 1 else []
+    """16, 32, 64, 128, then steps of 64 to 512, of 128 to 1024 and of 256 beyond, up to max_tokens: a step is padded
+    by under a third of its size above 256 tokens (where steps start to be GPU-bound) and by at most 16 tokens or
+    its own size below."""
+    sizes = [16, 32, 64, 128] + list(range(192, 513, 64)) + list(range(640, 1025, 128))
+    sizes += list(range(1280, max_tokens + 1, 256))
+    return sorted({s for s in sizes if s < max_tokens} | {max_tokens}) if max_tokens >= 1 else []
 
 
 class PrefillCudaGraphs:
