@@ -12,6 +12,7 @@ from scheduler_service.request import Req
 
 pytestmark = pytest.mark.gpu
 
+SMALL_GRAPHS = dict(cuda_graph_max_bs=64, prefill_cuda_graph_max_tokens=512)  # (captures in a second or two)
 SCENARIOS = [
     dict(),
     dict(chunked_prefill_size=7),
@@ -30,8 +31,8 @@ def prompts(n, seed=0, vocab=49152):
 
 
 def greedy_outputs(config: dict, **flags) -> list[list[int]]:
-    engine = InProcessEngine(str(tiny_model_dir("llama")), device="cuda", dtype="float32",
-                             **{"max_total_tokens": 8192, "max_running_requests": 64, **config, **flags})
+    engine = InProcessEngine(str(tiny_model_dir("llama")), device="cuda", dtype="float32", **{
+        "max_total_tokens": 8192, "max_running_requests": 64, **SMALL_GRAPHS, **config, **flags})
     engine.scheduler.check_invariant_every_step = True
     ps = prompts(24)
     rng = np.random.default_rng(1)
@@ -56,7 +57,7 @@ def test_same_greedy_outputs_with_overlap_and_prefill_graphs_on_or_off(config):
                                       dict(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2)])
 def test_steady_state_decode_steps_never_synchronize(sampling):
     engine = InProcessEngine(str(tiny_model_dir("qwen3")), device="cuda", max_total_tokens=8192,
-                             max_running_requests=32)
+                             max_running_requests=32, **SMALL_GRAPHS)
     s = engine.scheduler
     for i, p in enumerate(prompts(16, seed=2)):
         s.add_request(Req(f"r{i}", p, SamplingParams(max_new_tokens=64, ignore_eos=True, **sampling)))
