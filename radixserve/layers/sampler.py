@@ -35,14 +35,20 @@ class SamplingRequestState:
     prompt_logprob_carry: tuple[int, torch.Tensor] | None = None
 
     def on_sampled(self, token: int) -> None:
-        """Record a token sampled for this request (by every rank, so that all ranks stay in step)."""
+        """Record a token sampled for this request, once it is on the host (by every rank, so that all ranks stay
+        in step). The penalty state on the device was updated at sampling already (record_on_device)."""
         self.num_outputs += 1
-        if self.output_counts is not None:
-            self.output_counts[token] += 1
-        if self.seen_mask is not None:
-            self.seen_mask[token] = True
         if self.grammar is not None:
             self.grammar.accept(token)
+
+    def record_on_device(self, token: torch.Tensor) -> None:
+        """The penalty state's update for the token just sampled (token: a 1-element view of the sampled tokens on
+        the device): queued behind the sampling, no host value needed, so no wait for the device (indexing with a
+        Python int from the host would copy it there and wait)."""
+        if self.output_counts is not None:
+            self.output_counts.index_add_(0, token, torch.ones_like(token, dtype=self.output_counts.dtype))
+        if self.seen_mask is not None:
+            self.seen_mask.index_fill_(0, token, True)
 
 
 def _seeded_uniform(seed: int, position: int) -> float:

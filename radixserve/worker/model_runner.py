@@ -345,6 +345,9 @@ class ModelRunner:
         if batch.future_token_base >= 0:
             ring = (batch.future_token_base + torch.arange(len(rows), device=self.device)) % len(self.future_tokens)
             self.future_tokens[ring] = tokens
+        for i, state in enumerate(states):
+            if state.output_counts is not None or state.seen_mask is not None:
+                state.record_on_device(tokens[i:i + 1])
         chosen_logprobs = self._chosen_logprobs(logprobs, tokens, states)
         host_tokens = tokens.to("cpu", non_blocking=True)  # into pinned memory on a GPU; itself on the CPU
         if chosen_logprobs is not None:
