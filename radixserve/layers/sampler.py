@@ -34,6 +34,12 @@ class SamplingRequestState:
     # chunk's first token (radixserve/worker/prompt_logprobs.py)
     prompt_logprob_carry: tuple[int, torch.Tensor] | None = None
 
+    def __post_init__(self):
+        # Greedy with nothing that edits the logits (a grammar or min_tokens may still, checked per step).
+        p = self.params
+        self.plain_greedy = (p.is_greedy and not p.logit_bias and self.output_counts is None
+                             and self.seen_mask is None and self.grammar is None)
+
     def on_sampled(self, token: int) -> None:
         """Record a token sampled for this request, once it is on the host (by every rank, so that all ranks stay
         in step). The penalty state on the device was updated at sampling already (record_on_device)."""
@@ -87,10 +93,12 @@ class Sampler:
         """logits [B, V] (any float dtype); positions: the position of the token being sampled, per row.
         Returns (token ids int64 [B], log-softmax of the raw logits or None). want_logprobs: whether to return the
         log-softmax (default: when a row asks for logprobs; a caller sampling a batch in parts asks for every part)."""
-        logits = logits.float()
         params = [s.params for s in states]
         if want_logprobs is None:
             want_logprobs = any(p.logprobs is not None for p in params)
+        if not want_logprobs and all(s.plain_greedy and s.num_outputs >= s.params.min_new_tokens for s in states):
+            return logits.argmax(dim=-1), None  # (exact on the model's dtype: no float copy of [B, V] needed)
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         constrained = [i for i, s in enumerate(states) if s.grammar is not None and s.grammar.active]
         # min_tokens bans EOS with -inf, which can forbid every token the grammar allows (when only EOS may come): keep

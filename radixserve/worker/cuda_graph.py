@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
@@ -35,24 +36,32 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 
 class DecodeCudaGraphs:
-    def __init__(self, model: torch.nn.Module, req_to_token: torch.Tensor, context_len: int, max_bs: int,
-                 grouped: bool = False, staging=None):
+    def __init__(self, model: torch.nn.Module, req_to_token: torch.Tensor, future_tokens: torch.Tensor,
+                 context_len: int, max_bs: int, grouped: bool = False, staging=None):
         self.model = model
-        self.staging = staging  # a worker.pinned_staging.PinnedStaging for the group table's copy, if given
+        self.staging = staging  # a worker.pinned_staging.PinnedStaging: each step's inputs in one copy
         self.req_to_token = req_to_token
+        self.future_tokens = future_tokens
         self.context_len = context_len
         self.buckets = batch_size_buckets(max_bs)
-        self.max_bs = self.buckets[-1]
-        device = req_to_token.device
-        # Static inputs: the graphs read these addresses; replay copies each step's values into them.
-        self.input_ids = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_bs, dtype=torch.int64, device=device)
-        self.req_pool_indices = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(self.max_bs, dtype=torch.int32, device=device)
-        self.out_cache_loc = torch.zeros(self.max_bs, dtype=torch.int32, device=device)
-        # The grouped graphs' tables: each bucket reads its own layout from the start of this one buffer.
-        self.group_table = torch.zeros(DecodeGroups.flat_size(max_groups(self.max_bs), self.max_bs),
-                                       dtype=torch.int32, device=device) if grouped else None
+        self.max_bs = b = self.buckets[-1]
+        # Static inputs: the graphs read these addresses. They are views of one block that each step fills with one
+        # copy from pinned memory (a copy_ per input cost ~20 us of host time each on an H100 machine): input ids
+        # (placeholders of the overlapped loop included, resolved inside the graph), positions, req_to_token rows,
+        # sequence lengths, KV slots of the new tokens, and the grouped graphs' group table.
+        self.group_table_size = DecodeGroups.flat_size(max_groups(b), b) if grouped else 0
+        int64_part, int32_part = 2 * b, 3 * b + self.group_table_size
+        self.block = torch.zeros(8 * int64_part + 4 * int32_part, dtype=torch.uint8, device=req_to_token.device)
+        self.host_block = np.zeros(self.block.numel(), dtype=np.uint8)
+        longs = self.block[:8 * int64_part].view(torch.int64)
+        ints = self.block[8 * int64_part:].view(torch.int32)
+        self.input_ids, self.positions = longs[:b], longs[b:]
+        self.req_pool_indices, self.seq_lens, self.out_cache_loc = ints[:b], ints[b:2 * b], ints[2 * b:3 * b]
+        self.group_table = ints[3 * b:] if grouped else None
+        host_longs = self.host_block[:8 * int64_part].view(np.int64)
+        host_ints = self.host_block[8 * int64_part:].view(np.int32)
+        self.host = (host_longs[:b], host_longs[b:], host_ints[:b], host_ints[b:2 * b], host_ints[2 * b:3 * b],
+                     host_ints[3 * b:])
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (batch size, grouped)
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         start = time.perf_counter()
@@ -68,7 +77,8 @@ class DecodeCudaGraphs:
         groups = None
         if grouped:
             # Captured with no members (every group empty): all decodes take the plain suffix path meanwhile.
-            self._write_group_table(PrefixGroups(b"", b"", b"", b""), bs)
+            flat, _, _ = pack_decode_groups(PrefixGroups(b"", b"", b"", b""), 0, max_groups(bs), bs)
+            self.group_table[:len(flat)].copy_(torch.from_numpy(flat))
             groups = DecodeGroups.view(self.group_table, max_groups(bs), bs, self.context_len, bs)
         return ForwardContext(
             num_extend_reqs=0, num_extend_tokens=0, req_to_token=self.req_to_token,
@@ -77,7 +87,14 @@ class DecodeCudaGraphs:
             max_extend_len=0, max_seq_len=self.context_len, decode_groups=groups)
 
     def _run(self, bs: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:bs], self.positions[:bs])
+        """The captured step: placeholders resolved, req_to_token written (a decode's token goes at position
+        seq_len - 1 of its row; padding rows write row 0, which is reserved), the model, the LM head."""
+        ids = self.input_ids[:bs]
+        ids = torch.where(ids < 0, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
+        positions = self.positions[:bs]
+        flat = self.req_pool_indices[:bs].long() * self.req_to_token.stride(0) + positions
+        self.req_to_token.view(-1)[flat] = self.out_cache_loc[:bs]
+        hidden = self.model(ids, positions)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -87,6 +104,7 @@ class DecodeCudaGraphs:
         # Capture runs on a side stream: it must first see the static buffers' initial values and the weights,
         # written on the default stream (without this wait it read stale memory of a freed engine).
         stream.wait_stream(torch.cuda.current_stream())
+        self.seq_lens.fill_(1)
         # A group has two members at least: a batch of one never replays a grouped graph.
         for bs, grouped in [(bs, grouped) for bs in reversed(self.buckets)
                             for grouped in ([False, True] if self.group_table is not None and bs >= 2 else [False])]:
@@ -106,31 +124,24 @@ class DecodeCudaGraphs:
             self.graphs[bs, grouped] = graph
         torch.cuda.synchronize()
 
-    def _write_group_table(self, groups: PrefixGroups, bs: int) -> None:
-        flat, _, _ = pack_decode_groups(groups, 0, max_groups(bs), bs)
-        source = self.staging.to_device(flat) if self.staging is not None else torch.from_numpy(flat)
-        self.group_table[:len(flat)].copy_(source, non_blocking=True)
-
-    def replay(self, input_ids, positions, req_pool_indices, seq_lens, out_cache_loc,
+    def replay(self, input_ids: np.ndarray, positions: np.ndarray, req_pool_indices: np.ndarray,
+               seq_lens: np.ndarray, out_cache_loc: np.ndarray,
                prefix_groups: PrefixGroups | None = None) -> torch.Tensor:
-        """Logits [B, V] of one decode step; the arguments are this step's device tensors of length B, and the
-        batch's prefix groups (if any: then the grouped graph replays)."""
-        n = input_ids.shape[0]
+        """Logits [B, V] of one decode step; the arguments are this step's host arrays of length B (input ids may
+        be placeholders of the previous step's tokens), and the batch's prefix groups (if any: then the grouped
+        graph replays). The step's inputs go to the device in one copy, then one graph launch."""
+        n = len(input_ids)
         bs = next(b for b in self.buckets if b >= n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.req_pool_indices[:n].copy_(req_pool_indices)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.out_cache_loc[:n].copy_(out_cache_loc)
-        if bs > n:
-            # Padding requests: row 0 and slot 0 are reserved, so what they read and write harms no one.
-            self.req_pool_indices[n:bs].zero_()
-            self.seq_lens[n:bs].fill_(1)
-            self.out_cache_loc[n:bs].zero_()
+        ids, pos, rows, lens, slots, table = self.host
+        ids[:n], pos[:n], rows[:n], lens[:n], slots[:n] = input_ids, positions, req_pool_indices, seq_lens, out_cache_loc
+        # Padding requests: row 0 and slot 0 are reserved, so what they read and write harms no one.
+        ids[n:bs], pos[n:bs], rows[n:bs], lens[n:bs], slots[n:bs] = 0, 0, 0, 1, 0
         grouped = prefix_groups is not None and self.group_table is not None
         if grouped:
-            self._write_group_table(prefix_groups, bs)
+            flat, _, _ = pack_decode_groups(prefix_groups, 0, max_groups(bs), bs)
+            table[:len(flat)] = flat
         elif prefix_groups is not None:
             raise RuntimeError("prefix groups sent to a worker whose CUDA graphs were captured without them")
+        self.staging.copy_into(self.block, self.host_block)
         self.graphs[bs, grouped].replay()
         return self.logits[bs, grouped][:n]

@@ -52,8 +52,10 @@ class StepInputs:
     input_ids: torch.Tensor  # int64 [T], placeholders resolved
     positions: torch.Tensor  # int64 [T]
     last_index: torch.Tensor  # int64 [B]: each request's last new token
-    ctx: ForwardContext
-    decode_graph: bool  # decodes alone, replayed as one decode CUDA graph
+    ctx: ForwardContext | None
+    decode_graph: bool = False  # decodes alone, replayed as one decode CUDA graph: then the host arrays below,
+    seq_lens: np.ndarray | None = None  # and input_ids / positions on the host too
+    new_slots: np.ndarray | None = None
 
 
 @dataclass
@@ -111,7 +113,8 @@ class ModelRunner:
         self._prompt_logprobs: dict[int, list] = {}  # by step: computed in compute_logits, sent by finish_step
         self.cuda_graphs = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
-            self.cuda_graphs = DecodeCudaGraphs(self.model, self.req_to_token_pool.table, self.context_len,
+            self.cuda_graphs = DecodeCudaGraphs(self.model, self.req_to_token_pool.table, self.future_tokens,
+                                                self.context_len,
                                                 min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
                                                 grouped=not server_args.disable_shared_prefix_attention,
                                                 staging=self.staging)
@@ -180,18 +183,22 @@ class ModelRunner:
             params=p, eos_ids=self.model_config.eos_token_ids, num_outputs=len(outputs), output_counts=counts,
             seen_mask=seen, grammar=self.grammars.matcher(p, outputs.tolist()))
 
-    def _to_device(self, arrays: list[np.ndarray], dtype) -> list[torch.Tensor]:
-        """Several small host arrays in one host-to-device copy (each copy costs a launch and a sync point)."""
+    def _to_device(self, ints: list[np.ndarray], longs: list[np.ndarray]) -> tuple[list, list]:
+        """Small host arrays, int32 and int64, on the device in one host-to-device copy (each copy costs a launch
+        and ~20 us of host time): views of one byte block, int64 parts first."""
         # Every part starts 16-byte aligned: Triton compiles a kernel variant per alignment of each pointer argument,
         # and parts at offsets that follow the batch size made new variants (and a compile mid-serving) appear as the
         # batch size changed.
-        per_16_bytes = 16 // np.dtype(dtype).itemsize
-        padded = [-(-len(a) // per_16_bytes) * per_16_bytes for a in arrays]
-        flat = np.zeros(sum(padded), dtype=dtype)
-        for start, a in zip(np.cumsum([0] + padded[:-1]), arrays):
-            flat[start:start + len(a)] = a
-        packed = self.staging.to_device(flat)
-        return [part[:len(a)] for part, a in zip(packed.split(padded), arrays)]
+        arrays = [np.asarray(a, dtype=np.int64) for a in longs] + [np.asarray(a, dtype=np.int32) for a in ints]
+        sizes = [-(-a.nbytes // 16) * 16 for a in arrays]
+        offsets = np.cumsum([0] + sizes[:-1]).tolist()
+        block = np.zeros(sum(sizes), dtype=np.uint8)
+        for offset, a in zip(offsets, arrays):
+            block[offset:offset + a.nbytes] = a.view(np.uint8)
+        device = self.staging.to_device(block)
+        parts = [device[o:o + a.nbytes].view(torch.int64 if a.itemsize == 8 else torch.int32)
+                 for o, a in zip(offsets, arrays)]
+        return parts[len(longs):], parts[:len(longs)]
 
     def _req_to_token_writes(self, batch: ForwardBatch, rows, prefix_lens, extend_lens, new_slots):
         """Every req_to_token assignment the batch implies, as (flat index, slot) arrays: the new tokens' slots at
@@ -217,8 +224,9 @@ class ModelRunner:
                                  max_group_size)
 
     def prepare(self, batch: ForwardBatch, all_positions: bool = False) -> StepInputs:
-        """Unpack the batch once: host-tier copies queued, new requests registered, the step's index arrays on the
-        device (two copies through pinned staging), req_to_token written, the attention layout built."""
+        """Unpack the batch once: host-tier copies queued, new requests registered, and then either the host arrays
+        of a step that replays a decode graph (which writes req_to_token itself), or the step's index arrays on the
+        device (one copy through pinned staging), req_to_token written, the attention layout built."""
         if batch.host_save_host_slots or batch.host_load_host_slots:
             self._copy_host_tier(batch)
         for req in batch.new_requests:
@@ -226,27 +234,34 @@ class ModelRunner:
         rows, prefix_lens = unpack_i32(batch.req_pool_indices), unpack_i32(batch.prefix_lens)
         extend_lens = unpack_i32(batch.extend_lens)
         host_input_ids = unpack_i32(batch.input_ids)
-        positions = batch_positions(prefix_lens, extend_lens)
-        seq_lens = prefix_lens + extend_lens
-        extend_start = (np.cumsum(extend_lens) - extend_lens).astype(np.int32)
-        last_index = extend_start + extend_lens - 1
         new_slots = unpack_i32(batch.out_cache_loc)
-        table_index, table_slots = self._req_to_token_writes(batch, rows, prefix_lens, extend_lens, new_slots)
-        rows_t, prefix_t, extend_t, start_t, seq_lens_t, table_slots_t = self._to_device(
-            [rows, prefix_lens, extend_lens, extend_start, seq_lens, table_slots], np.int32)
-        input_ids, positions_t, table_index_t, last_index_t = self._to_device(
-            [host_input_ids, positions, table_index, last_index], np.int64)
-        if (host_input_ids < 0).any():
-            # Placeholders (-(index + 1)) of tokens the previous step sampled: resolved here, with no host sync.
-            input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids - 1).clamp_(min=0)], input_ids)
-        # Every position the kernels read goes through one table, written here and nowhere else.
-        self.req_to_token_pool.write(table_index_t, table_slots_t)
-
+        seq_lens = prefix_lens + extend_lens
         # Decodes come last in a batch; find where that tail starts. One new token over a cached context is a decode
         # for the kernels whatever the context's length, a 1-token prompt (context 0) included: such a batch
         # replays a decode graph instead of launching the extend path's kernels one by one.
         not_decode = np.flatnonzero(extend_lens != 1)
         num_extend = int(not_decode[-1]) + 1 if len(not_decode) else 0
+        if num_extend == 0 and not all_positions and self.cuda_graphs is not None \
+                and self.cuda_graphs.fits(len(rows)):
+            if batch.reused_slots:  # (the graph writes the new tokens' slots; ranges re-pointed at the tree here)
+                self._write_req_to_token(*self._req_to_token_writes(batch, rows, prefix_lens, extend_lens,
+                                                                    new_slots[:0]))
+            return StepInputs(batch, rows, prefix_lens, extend_lens, None, host_input_ids, prefix_lens, None, None,
+                              decode_graph=True, seq_lens=seq_lens, new_slots=new_slots)
+
+        positions = batch_positions(prefix_lens, extend_lens)
+        extend_start = (np.cumsum(extend_lens) - extend_lens).astype(np.int32)
+        last_index = extend_start + extend_lens - 1
+        table_index, table_slots = self._req_to_token_writes(batch, rows, prefix_lens, extend_lens, new_slots)
+        (rows_t, prefix_t, extend_t, start_t, seq_lens_t, table_slots_t), \
+            (input_ids, positions_t, table_index_t, last_index_t) = self._to_device(
+                [rows, prefix_lens, extend_lens, extend_start, seq_lens, table_slots],
+                [host_input_ids, positions, table_index, last_index])
+        if (host_input_ids < 0).any():
+            # Placeholders (-(index + 1)) of tokens the previous step sampled: resolved here, with no host sync.
+            input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids - 1).clamp_(min=0)], input_ids)
+        # Every position the kernels read goes through one table, written here (or in a decode graph) only.
+        self.req_to_token_pool.write(table_index_t, table_slots_t)
         ctx = ForwardContext(
             num_extend_reqs=num_extend,
             num_extend_tokens=int(extend_lens[:num_extend].sum()),
@@ -259,14 +274,15 @@ class ModelRunner:
             out_cache_loc=table_slots_t[:len(new_slots)],
             max_extend_len=int(extend_lens[:num_extend].max(initial=0)),
             max_seq_len=int(seq_lens[num_extend:].max(initial=0)),
-            decode_groups=None,
+            decode_groups=self._decode_groups(batch, num_extend),
         )
-        decode_graph = (num_extend == 0 and not all_positions and self.cuda_graphs is not None
-                        and self.cuda_graphs.fits(len(rows)))
-        if not decode_graph:  # (a decode graph keeps its own group table)
-            ctx.decode_groups = self._decode_groups(batch, num_extend)
         return StepInputs(batch, rows, prefix_lens, extend_lens, extend_start, input_ids, positions_t, last_index_t,
-                          ctx, decode_graph)
+                          ctx)
+
+    def _write_req_to_token(self, table_index: np.ndarray, table_slots: np.ndarray) -> None:
+        if len(table_index):
+            (slots_t,), (index_t,) = self._to_device([table_slots], [table_index])
+            self.req_to_token_pool.write(index_t, slots_t)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward of a step that is not a decode graph's: hidden states of every new token, from a piecewise
@@ -284,10 +300,9 @@ class ModelRunner:
         """Run the model on the batch; logits of each request's last token ([B, V]), or of every token. The result
         is valid until the next call: a CUDA graph's output or the CPU's kept logits buffer may hold it."""
         inputs = self.prepare(batch, all_positions)
-        if inputs.decode_graph:  # the whole step, LM head included, in one replay
-            ctx = inputs.ctx
-            return self.cuda_graphs.replay(inputs.input_ids, inputs.positions, ctx.req_pool_indices, ctx.seq_lens,
-                                           ctx.out_cache_loc, batch.prefix_groups)
+        if inputs.decode_graph:  # the whole step, req_to_token writes and LM head included, in one replay
+            return self.cuda_graphs.replay(inputs.input_ids, inputs.positions, inputs.rows, inputs.seq_lens,
+                                           inputs.new_slots, batch.prefix_groups)
         return self.logits(inputs, self.run_model(inputs), all_positions)
 
     def logits(self, inputs: StepInputs, hidden: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
@@ -342,9 +357,12 @@ class ModelRunner:
         else:
             logits = logits[self.staging.to_device(np.flatnonzero(mask))] if not mask.all() else logits
             tokens, logprobs = self.sampler(logits, states, seq_lens.tolist())
-        if batch.future_token_base >= 0:
-            ring = (batch.future_token_base + torch.arange(len(rows), device=self.device)) % len(self.future_tokens)
-            self.future_tokens[ring] = tokens
+        if batch.future_token_base >= 0:  # the ring's slots base, base + 1, ... (wrapping at its end)
+            base, size = batch.future_token_base, len(self.future_tokens)
+            head = min(len(rows), size - base)
+            self.future_tokens[base:base + head].copy_(tokens[:head])
+            if head < len(rows):
+                self.future_tokens[:len(rows) - head].copy_(tokens[head:])
         for i, state in enumerate(states):
             if state.output_counts is not None or state.seen_mask is not None:
                 state.record_on_device(tokens[i:i + 1])

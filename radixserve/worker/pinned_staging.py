@@ -25,20 +25,41 @@ class PinnedStaging:
                          for _ in range(depth)] if self.enabled else []
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._buffers)
         self._next = 0
+        self._last = 0
 
     def to_device(self, array: np.ndarray) -> torch.Tensor:
         """The array on the device (same dtype); queued, not waited for."""
         array = np.ascontiguousarray(array)
         if not self.enabled or array.nbytes > self.buffer_bytes or array.nbytes == 0:
             return torch.from_numpy(array).to(self.device, non_blocking=True)
+        staged = self._stage(array)
+        out = staged.view(torch.from_numpy(array[:0]).dtype).to(self.device, non_blocking=True)
+        self._record()
+        return out.view(array.shape)
+
+    def copy_into(self, target: torch.Tensor, array: np.ndarray) -> None:
+        """target (a contiguous device tensor of the array's bytes, e.g. a CUDA graph's static inputs) = array;
+        queued, not waited for."""
+        array = np.ascontiguousarray(array)
+        source = torch.from_numpy(array)
+        if self.enabled and 0 < array.nbytes <= self.buffer_bytes:
+            source = self._stage(array).view(source.dtype).view(source.shape)
+        target.view(source.dtype).view(source.shape).copy_(source, non_blocking=True)
+        if self.enabled:
+            self._record()
+
+    def _stage(self, array: np.ndarray) -> torch.Tensor:
+        """The array's bytes in the next pinned buffer, once the last copy out of that buffer has run."""
         i = self._next
         self._next = (i + 1) % len(self._buffers)
         if self._copied[i] is not None:
             self._copied[i].synchronize()  # the previous copy out of this buffer has run
+        self._last = i
         staged = self._buffers[i][:array.nbytes]
         staged.numpy()[:] = array.view(np.uint8).reshape(-1)
-        out = staged.view(torch.from_numpy(array[:0]).dtype).to(self.device, non_blocking=True)
+        return staged
+
+    def _record(self) -> None:
         event = torch.cuda.Event()
         event.record()
-        self._copied[i] = event
-        return out.view(array.shape)
+        self._copied[self._last] = event
