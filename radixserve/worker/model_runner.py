@@ -244,8 +244,8 @@ class ModelRunner:
         if num_extend == 0 and not all_positions and self.cuda_graphs is not None \
                 and self.cuda_graphs.fits(len(rows)):
             if batch.reused_slots:  # (the graph writes the new tokens' slots; ranges re-pointed at the tree here)
-                self._write_req_to_token(*self._req_to_token_writes(batch, rows, prefix_lens, extend_lens,
-                                                                    new_slots[:0]))
+                self._write_req_to_token(*self._req_to_token_writes(batch, rows[:0], prefix_lens[:0],
+                                                                    extend_lens[:0], new_slots[:0]))
             return StepInputs(batch, rows, prefix_lens, extend_lens, None, host_input_ids, prefix_lens, None, None,
                               decode_graph=True, seq_lens=seq_lens, new_slots=new_slots)
 
