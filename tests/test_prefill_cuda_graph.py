@@ -17,15 +17,15 @@ from radixserve.worker.prefill_cuda_graph import token_buckets
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def mixed_batch(vocab: int, seed: int = 0) -> ForwardBatch:
-    """Two prompt chunks (one over a cached prefix written by an earlier batch) and nothing cached beyond that."""
+def mixed_batch(vocab: int, seed: int = 0, lengths=(37, 21)) -> ForwardBatch:
+    """Prompt chunks of the given lengths, one request each, nothing cached."""
     rng = np.random.default_rng(seed)
-    chunks = [rng.integers(0, vocab, 37).astype(np.int32), rng.integers(0, vocab, 21).astype(np.int32)]
-    slots = np.arange(1, 59, dtype=np.int32)
-    return ForwardBatch(step=0, req_pool_indices=pack_i32([1, 2]), prefix_lens=pack_i32([0, 0]),
-                        extend_lens=pack_i32([37, 21]), input_ids=pack_i32(np.concatenate(chunks)),
-                        out_cache_loc=pack_i32(slots), sample_mask=bytes([1, 1]),
-                        new_requests=[WorkerRequest(1, GREEDY), WorkerRequest(2, GREEDY)])
+    chunks = [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
+    rows = list(range(1, len(lengths) + 1))
+    return ForwardBatch(step=0, req_pool_indices=pack_i32(rows), prefix_lens=pack_i32([0] * len(rows)),
+                        extend_lens=pack_i32(lengths), input_ids=pack_i32(np.concatenate(chunks)),
+                        out_cache_loc=pack_i32(np.arange(1, sum(lengths) + 1, dtype=np.int32)),
+                        sample_mask=bytes([1] * len(rows)), new_requests=[WorkerRequest(r, GREEDY) for r in rows])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -59,13 +59,14 @@ def test_token_buckets_cover_every_size_with_bounded_padding():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_prefill_graphs_replay_what_the_eager_forward_computes(arch):
+@pytest.mark.parametrize("lengths", [(37, 21), (45,)])  # pieces with attention between; a lone chunk's whole graph
+def test_prefill_graphs_replay_what_the_eager_forward_computes(arch, lengths):
     args = dict(device="cuda", dtype="float32", max_total_tokens=2048, max_running_requests=4,
                 prefill_cuda_graph_max_tokens=256)
     graphs = ModelRunner(ServerArgs(**args), tiny_model_dir(arch))
     eager = ModelRunner(ServerArgs(**args, disable_prefill_cuda_graph=True), tiny_model_dir(arch))
     assert graphs.prefill_graphs is not None and eager.prefill_graphs is None
-    batch = mixed_batch(graphs.model_config.vocab_size)
+    batch = mixed_batch(graphs.model_config.vocab_size, lengths=lengths)
     with torch.inference_mode():
         replayed = graphs.run_model(graphs.prepare(batch)).clone()
         expected = eager.run_model(eager.prepare(batch))
