@@ -202,7 +202,7 @@ class KernelVariants:
                 if hasattr(module, name):
                     self._set(module, name, lambda device: 132)
         self._set(ta, "decode_config", lambda dtype, device: decode_config(bf16, gpu))
-        self._set(ta, "extend_config", lambda dtype, d, device, n=None: extend_config(bf16, d, gpu, n))
+        self._set(ta, "extend_config", lambda dtype, d, device, n=None, programs=None: extend_config(bf16, d, gpu, n, programs))
         self._set(spa, "prefix_config", lambda dtype, device, *rows: prefix_config(bf16, gpu, *rows))
 
     def __exit__(self, *exc) -> None:

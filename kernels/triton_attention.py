@@ -309,19 +309,34 @@ EXTEND_CONFIG = {
     "16bit_small_d": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     # Batches of decodes / short chunks: rows past a request's extend are pure waste, so use few.
     "16bit_short": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    # Narrower row blocks for grids too small to fill the device (extend_config).
+    "16bit_64": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    "16bit_32": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     "fp32": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
     "interpret": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
 }
 
 
-def extend_config(dtype, head_dim, device, max_extend_len=None):
+def extend_config(dtype, head_dim, device, max_extend_len=None, programs_per_row_block=None):
+    """programs_per_row_block: heads x requests. A chunk short beside its context (a cache hit's 128 new tokens over
+    1,024 cached) made a grid of one row block per head: 16 programs on 132 SMs reading the whole prefix each, 36 us
+    a layer on an H100. Rows per block halve (to 16) until the grid has two programs per SM."""
     if device.type != "cuda":
         return EXTEND_CONFIG["interpret"]
     if dtype == torch.float32:
         return EXTEND_CONFIG["fp32"]
     if max_extend_len is not None and max_extend_len <= EXTEND_CONFIG["16bit_short"]["BLOCK_M"]:
         return EXTEND_CONFIG["16bit_short"]
-    return EXTEND_CONFIG["16bit" if head_dim > 64 else "16bit_small_d"]
+    config = EXTEND_CONFIG["16bit" if head_dim > 64 else "16bit_small_d"]
+    if max_extend_len is None or programs_per_row_block is None:
+        return config
+    wanted = 2 * sm_count(device)
+    for narrower in ("16bit_64", "16bit_32", "16bit_short"):
+        if programs_per_row_block * triton.cdiv(max_extend_len, config["BLOCK_M"]) >= wanted:
+            break
+        config = EXTEND_CONFIG[narrower]
+    return config
+
 
 
 def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
@@ -333,7 +348,7 @@ def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indice
         return
     assert_last_dim_contiguous(q, k, v, o, k_cache, v_cache)
     assert req_to_token.stride(1) == 1
-    cfg = dict(extend_config(q.dtype, d, q.device, max_extend_len), **(config or {}))
+    cfg = dict(extend_config(q.dtype, d, q.device, max_extend_len, hq * bsz), **(config or {}))
     num_m_blocks = triton.cdiv(max_extend_len, cfg["BLOCK_M"])
     _extend_kernel[(hq, num_m_blocks, bsz)](
         q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
