@@ -145,6 +145,7 @@ class Choice:
     logprobs: Any = None
     stop_reason: int | str | None = None  # the stop string or token id that matched, when the server says
     tool_calls: list[ToolCall] = field(default_factory=list)  # chat: the functions the assistant called
+    reasoning_content: str | None = None  # chat with --reasoning-parser: the thinking before the answer
 
 
 @dataclass
@@ -161,11 +162,16 @@ class CompletionResult:
 
 @dataclass
 class ChatResult(CompletionResult):
-    """A /v1/chat/completions answer; `text`, `finish_reason` and `tool_calls` are the first choice's."""
+    """A /v1/chat/completions answer; `text`, `finish_reason`, `tool_calls` and `reasoning_content` are the first
+    choice's."""
 
     @property
     def tool_calls(self) -> list[ToolCall]:
         return self.choices[0].tool_calls if self.choices else []
+
+    @property
+    def reasoning_content(self) -> str | None:
+        return self.choices[0].reasoning_content if self.choices else None
 
 
 @dataclass
@@ -201,6 +207,7 @@ class StreamChunk:
     logprobs: Any = None
     matched_stop: int | str | None = None
     tool_call_deltas: list[dict] = field(default_factory=list)  # chat: pieces of tool calls (tool_calls_from_deltas)
+    reasoning_content: str = ""  # chat with --reasoning-parser: new reasoning text (text is the answer's)
     raw: dict = field(default_factory=dict, repr=False)
 
 
@@ -222,7 +229,7 @@ def _parse_choices(body: dict, chat: bool) -> list[Choice]:
         text = (message.get("content") if chat else c.get("text")) or ""
         calls = [ToolCall.from_openai(call) for call in message.get("tool_calls") or []] if chat else []
         choices.append(Choice(c.get("index", 0), text, c.get("finish_reason"), c.get("logprobs"),
-                              c.get("stop_reason"), calls))
+                              c.get("stop_reason"), calls, message.get("reasoning_content") if chat else None))
     return sorted(choices, key=lambda c: c.index)
 
 
@@ -266,15 +273,15 @@ class OpenAIChunks:
     def __call__(self, data: dict) -> list[StreamChunk]:
         out = []
         for c in data.get("choices") or []:
-            deltas = []
+            deltas, delta = [], c.get("delta") or {}
             if self.chat:
-                delta = c.get("delta") or {}
                 text, role, deltas = delta.get("content") or "", delta.get("role"), delta.get("tool_calls") or []
             else:
                 text, role = c.get("text") or "", None
             out.append(StreamChunk(text, c.get("index", 0), c.get("finish_reason"), None, role=role,
                                    logprobs=c.get("logprobs"), matched_stop=c.get("stop_reason"),
-                                   tool_call_deltas=list(deltas), raw=data))
+                                   tool_call_deltas=list(deltas),
+                                   reasoning_content=delta.get("reasoning_content") or "", raw=data))
         usage = Usage.from_openai(data.get("usage"))
         if usage is not None:
             if out:

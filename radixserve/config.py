@@ -140,6 +140,16 @@ class ServerArgs:
     tool_call_parser: str = _flag("auto", "Tool-call format of the model: auto (from the chat template) | qwen | "
                                           "qwen25 | qwen3 | hermes | llama3.",
                                   choices=["auto", "qwen", "qwen25", "qwen3", "hermes", "llama3"])
+    # Reasoning models and the Responses API (tokenizer_service/reasoning.py, routes_responses.py)
+    reasoning_parser: str | None = _flag(None, "Split the <think>...</think> block of a reasoning model from its "
+                                               "answer: reasoning_content on /v1/chat/completions, a reasoning item "
+                                               "on /v1/responses (qwen3 | deepseek-r1, the names vLLM and SGLang "
+                                               "use). Default: none, the block stays in the content.",
+                                         choices=["qwen3", "deepseek-r1"])
+    responses_store_size: int = _flag(1024, "Most responses of /v1/responses kept for previous_response_id and GET "
+                                            "per API key (the oldest go first; each holds its conversation's text "
+                                            "and last token ids). 0 keeps none.")
+    responses_store_ttl: float = _flag(3600.0, "Seconds a stored response of /v1/responses is kept.")
     # Supervision
     watchdog_timeout: float | None = _flag(None, "Seconds a busy worker or scheduler may go without progress before "
                                                  "the server fails its requests and exits (default 300; "
@@ -178,6 +188,9 @@ class ServerArgs:
             raise ValueError(f"--max-sequences-per-request must be >= 1, got {self.max_sequences_per_request}")
         if self.tokenizer_workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
+        if self.responses_store_size < 0 or not self.responses_store_ttl > 0:
+            raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl > 0, got "
+                             f"{self.responses_store_size} and {self.responses_store_ttl}")
         if self.max_header_bytes < 1024:
             raise ValueError(f"--max-header-bytes must be >= 1024, got {self.max_header_bytes}")
         if not 0 < self.port < 65536:

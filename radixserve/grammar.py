@@ -132,8 +132,8 @@ class GrammarCompiler:
             return GrammarError(_clean_error(kind, exc))
         raise ValueError(f"unknown grammar kind {kind!r}; expected one of {GRAMMAR_KINDS}")
 
-    def matcher(self, spec: tuple[str, str]) -> "RequestGrammar":
-        return RequestGrammar(self.compile(spec), self.vocab_size)
+    def matcher(self, spec: tuple[str, str], starts_after: int | None = None) -> "RequestGrammar":
+        return RequestGrammar(self.compile(spec), self.vocab_size, starts_after)
 
     def check(self, spec: tuple[str, str]) -> None:
         """What the front end asks before admitting a request: the spec compiles, and its grammar lets the reply
@@ -157,14 +157,18 @@ def _json_schema_grammar(text: str, unroll_bounded_strings: bool):
 
 
 class RequestGrammar:
-    """One request's position in its grammar: which tokens may come next, advanced with every sampled token."""
+    """One request's position in its grammar: which tokens may come next, advanced with every sampled token.
 
-    def __init__(self, compiled: "xgrammar.CompiledGrammar", vocab_size: int):
+    `starts_after` (a token id) holds the grammar back until that token is sampled: with a reasoning parser the
+    schema is the answer's, and the thinking before </think> is free (vLLM starts structured output there too)."""
+
+    def __init__(self, compiled: "xgrammar.CompiledGrammar", vocab_size: int, starts_after: int | None = None):
         import xgrammar as xgr
 
         self._matcher = xgr.GrammarMatcher(compiled)
         self.vocab_size = vocab_size
         self.broken = False  # a token the grammar rejected was forced in; the request is no longer constrained
+        self.waiting_for = starts_after  # None once the grammar applies
 
     @property
     def is_terminated(self) -> bool:
@@ -173,10 +177,14 @@ class RequestGrammar:
 
     @property
     def active(self) -> bool:
-        return not self.broken and not self._matcher.is_terminated()
+        return self.waiting_for is None and not self.broken and not self._matcher.is_terminated()
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token. False if the grammar rejects it (then the matcher stops constraining)."""
+        if self.waiting_for is not None:  # still before the grammar's start: the start token itself is not its text
+            if int(token) == self.waiting_for:
+                self.waiting_for = None
+            return True
         if not self.active:
             return False
         if not self._matcher.accept_token(int(token)):
@@ -270,7 +278,7 @@ class WorkerGrammars:
             self._compiler = GrammarCompiler(tokenizer, self._vocab_size, self._stop_token_ids,
                                              unroll_bounded_strings=self._unroll_bounded_strings)
         try:
-            grammar = self._compiler.matcher(spec)
+            grammar = self._compiler.matcher(spec, params.grammar_starts_after)
         except GrammarError as e:
             # The HTTP front end compiles every spec before admission, so only a caller that skipped that check
             # (e.g. the offline Engine) gets here: that one request goes unconstrained rather than the worker down.

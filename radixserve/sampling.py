@@ -36,6 +36,9 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     regex: str | None = None
     ebnf: str | None = None  # GBNF/EBNF grammar text, root rule `root`
     logit_bias: dict[int, float] = {}  # token id -> value added to its logit before sampling
+    # The grammar constrains only what follows this token: with --reasoning-parser, a response_format holds the answer
+    # after </think>, not the thinking before it (vLLM's order). None: from the first token.
+    grammar_starts_after: int | None = None
 
     @property
     def grammar_spec(self) -> tuple[str, str] | None:
@@ -91,6 +94,8 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
                     f"got {bias} for token {token}")
             if token < 0 or (vocab_size is not None and token >= vocab_size):
                 bad(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})")
+        if self.grammar_starts_after is not None and not 0 <= self.grammar_starts_after < (vocab_size or 2**31):
+            bad(f"grammar_starts_after must be a token id of the vocabulary, got {self.grammar_starts_after}")
         if vocab_size is not None:
             for t in self.stop_token_ids:
                 if not 0 <= t < vocab_size:

@@ -17,7 +17,7 @@ CONTEXT = 4096
 VOCAB = 49152
 MB = 1 << 20
 CHAT = [{"role": "user", "content": "Hi"}]
-C, CH, G = "/v1/completions", "/v1/chat/completions", "/generate"
+C, CH, G, R = "/v1/completions", "/v1/chat/completions", "/generate", "/v1/responses"
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +46,10 @@ def cmp(**fields):
 
 def chat(**fields):
     return {"messages": CHAT, "max_tokens": 1, **fields}
+
+
+def resp(**fields):
+    return {"input": "Hi", "max_output_tokens": 1, **fields}
 
 
 def gen(**sampling):
@@ -205,6 +209,45 @@ CASES = [
     ("generate max_new_tokens 0", G, gen(max_new_tokens=0), 400, ["max_new_tokens"]),
     ("generate 1000 prompts x n 16", G, {"text": ["x"] * 1000, "sampling_params": {"max_new_tokens": 1, "n": 16}},
      (400, 503), []),  # 16,000 sequences: more than the queue can ever hold
+    # /v1/responses
+    ("responses empty body", R, b"", 400, ["not valid JSON"]),
+    ("responses without input", R, {"max_output_tokens": 1}, 400, ["'input' is a required field"]),
+    ("responses input number", R, resp(input=5), 400, ["input"]),
+    ("responses input empty", R, resp(input=""), 400, ["input must not be empty"]),
+    ("responses no items", R, resp(input=[]), 400, ["at least one"]),
+    ("responses only reasoning items", R, resp(input=[{"type": "reasoning", "summary": []}]), 400, ["at least one"]),
+    ("responses item string", R, resp(input=["hi"]), 400, ["input[0] must be an object"]),
+    ("responses role unknown", R, resp(input=[{"role": "robot", "content": "x"}]), 400, ["input[0].role"]),
+    ("responses content number", R, resp(input=[{"role": "user", "content": 5}]), 400, ["input[0].content"]),
+    ("responses part without text", R, resp(input=[{"role": "user", "content": [{"type": "input_text"}]}]), 400,
+     ["input[0].content[0].text"]),
+    ("responses call without name", R, resp(input=[{"type": "function_call", "call_id": "c", "arguments": "{}"}]),
+     400, ["input[0].name"]),
+    ("responses call arguments object", R, resp(input=[{"type": "function_call", "call_id": "c", "name": "f",
+                                                        "arguments": {}}]), 400, ["input[0].arguments"]),
+    ("responses output without call_id", R, resp(input=[{"type": "function_call_output", "output": "x"}]), 400,
+     ["input[0].call_id"]),
+    ("responses 5 MB input", R, resp(input="y" * 5 * MB), 400, ["characters"]),
+    ("responses many items", R, resp(input=[{"role": "user", "content": "a"}] * 100_000), 400, ["context length"]),
+    ("responses 10000-level nesting", R, b'{"input": ' + b"[" * 10_000 + b"]" * 10_000 + b"}", 400, []),
+    ("responses tools string", R, resp(tools="x"), 400, ["tools"]),
+    ("responses tool without name", R, resp(tools=[{"type": "function"}]), 400, ["tools[0].name"]),
+    ("responses tool_choice unknown", R, resp(tool_choice="sometimes"), 400, ["tool_choice"]),
+    ("responses tool_choice not in tools", R, resp(tools=[{"type": "function", "name": "f"}],
+                                                   tool_choice={"type": "function", "name": "g"}), 400, ["'g'"]),
+    ("responses text.format type", R, resp(text={"format": {"type": "xml"}}), 400, ["text.format.type"]),
+    ("responses effort unknown", R, resp(reasoning={"effort": "maximal"}), 400, ["reasoning.effort"]),
+    ("responses temperature string", R, resp(temperature="hot"), 400, ["temperature"]),
+    ("responses top_p zero", R, resp(top_p=0), 400, ["top_p"]),
+    ("responses max_output_tokens huge", R, resp(max_output_tokens=10 ** 9), 400, ["maximum context length"]),
+    ("responses stream string", R, resp(stream="yes"), 400, ["stream"]),
+    ("responses store number", R, resp(store=1), 400, ["store"]),
+    ("responses previous id 1000 chars", R, resp(previous_response_id="r" * 1000), 400, ["previous_response_id"]),
+    ("responses metadata 17 pairs", R, resp(metadata={f"k{i}": "v" for i in range(17)}), 400, ["metadata"]),
+    ("responses cache_salt empty", R, resp(cache_salt=""), 400, ["cache_salt"]),
+    ("responses unknown model", R, resp(model="nope"), 404, ["does not exist"]),
+    ("responses unknown previous id", R, resp(previous_response_id="resp_gone"), 404, ["resp_gone"]),
+    ("responses unknown field", R, resp(junk={"a": 1}), 200, []),
     # odd but valid
     ("emoji and RTL", C, cmp(prompt="🙂 שלום مرحبا \u202e"), 200, []),
     ("combining marks", CH, chat(messages=[{"role": "user", "content": "e\u0301" * 1000}]), 200, []),
@@ -230,6 +273,8 @@ def test_bad_input_then_normal_request(server, http, name, path, body, status, w
 METHOD_CASES = [
     ("GET", C, 405), ("DELETE", G, 405), ("PUT", CH, 405), ("GET", "/nothing-here", 404),
     ("POST", "/v1/models", 405), ("GET", "/v1/models/other-model", 404), ("PATCH", "/health", 405),
+    ("PUT", R, 405), ("GET", f"{R}/resp_unknown", 404), ("DELETE", f"{R}/resp_unknown", 404),
+    ("POST", f"{R}/resp_unknown", 405),
 ]
 
 

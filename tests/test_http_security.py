@@ -133,13 +133,16 @@ def test_request_cannot_supply_a_chat_template(http):
     assert response.status_code == 200, response.text
 
 
-@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
 def test_health_answers_while_a_7mb_prompt_is_tokenized(server, http, route):
-    # Both paths: a completion's prompt is tokenized, a chat message is rendered by the chat template and then
-    # tokenized; each must run off the event loop.
-    prompt = "hello world, how are you? " * (7_000_000 // 26)
-    body = ({"prompt": prompt, "max_tokens": 1} if route == "/v1/completions" else
-            {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1})
+    # Every path: a completion's prompt is tokenized, a chat message (or a Responses input) is rendered by the chat
+    # template and then tokenized; each must run off the event loop. (Another text for the Responses input, so that
+    # nothing the chat case left behind makes it quicker.)
+    phrase = "good day, how is it going? " if route == "/v1/responses" else "hello world, how are you? "
+    prompt = phrase * (7_000_000 // len(phrase))
+    body = {"/v1/completions": {"prompt": prompt, "max_tokens": 1},
+            "/v1/chat/completions": {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1},
+            "/v1/responses": {"input": prompt, "max_output_tokens": 1}}[route]
     outcome = {}
 
     def send_big():

@@ -29,7 +29,8 @@ MAX_GENERATED = 2
 BUDGET = {"POST /v1/completions": 260, "POST /v1/chat/completions": 260, "POST /generate": 260,
           "GET /v1/models/{model}": 250, "GET /v1/models": 5, "GET /health": 5, "GET /server_info": 5,
           "GET /metrics": 5, "POST /flush_cache": 5,
-          "POST /v1/tokenize": 40, "POST /v1/detokenize": 40, "POST /tokenize": 10, "POST /detokenize": 10}
+          "POST /v1/tokenize": 40, "POST /v1/detokenize": 40, "POST /tokenize": 10, "POST /detokenize": 10,
+          "POST /v1/responses": 200, "GET /v1/responses/{response_id}": 25, "DELETE /v1/responses/{response_id}": 25}
 MIN_CASES = 1000
 CLIENTS = 32
 CHECKS = [sc.not_a_server_error, sc.status_code_conformance, sc.content_type_conformance,
@@ -63,7 +64,8 @@ def narrow(raw: dict) -> dict:
     schemas = raw["components"]["schemas"]
     for name, lengths in (("CompletionRequest", ["max_tokens"]),
                           ("ChatCompletionRequest", ["max_tokens", "max_completion_tokens"]),
-                          ("NativeSamplingParams", ["max_new_tokens"])):
+                          ("NativeSamplingParams", ["max_new_tokens"]),
+                          ("ResponsesRequest", ["max_output_tokens"])):
         model = schemas[name]
         for field in lengths:
             bounded_length(model["properties"][field])
@@ -82,7 +84,7 @@ def test_openapi_covers_every_route(server):
     raw = httpx.get(f"{server.url}/openapi.json", timeout=30).json()
     operations = {f"{method.upper()} {path}" for path, item in raw["paths"].items() for method in item}
     assert operations == set(BUDGET)
-    for label in ("POST /v1/completions", "POST /v1/chat/completions", "POST /generate"):
+    for label in ("POST /v1/completions", "POST /v1/chat/completions", "POST /generate", "POST /v1/responses"):
         method, path = label.split()
         operation = raw["paths"][path][method.lower()]
         assert operation["requestBody"]["content"]["application/json"]["schema"]["$ref"].startswith("#/components")

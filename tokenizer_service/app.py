@@ -14,6 +14,7 @@ from tokenizer_service.middleware import add_middleware
 from tokenizer_service.openapi_docs import install_openapi
 from tokenizer_service.routes_native import add_native_routes
 from tokenizer_service.routes_openai import add_openai_routes
+from tokenizer_service.routes_responses import add_responses_routes
 from tokenizer_service.routes_router import add_router_routes
 from tokenizer_service.routes_tokenize import add_tokenize_routes
 from tokenizer_service.serving import ServingContext
@@ -26,6 +27,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
     add_openai_routes(app, ctx)
+    add_responses_routes(app, ctx)  # /v1/responses, with stored responses
     add_native_routes(app, ctx)
     add_tokenize_routes(app, ctx)  # /v1/tokenize, /v1/detokenize
     add_router_routes(app, ctx)  # what sglang-router reads from a server behind it

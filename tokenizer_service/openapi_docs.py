@@ -85,6 +85,24 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ResponseObject(BaseModel):
+    """/v1/responses (routes_responses.py); output items and usage as responses_output.py writes them."""
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+    previous_response_id: str | None
+
+
+class DeletedResponse(BaseModel):
+    id: str
+    object: Literal["response.deleted"]
+    deleted: bool
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -162,6 +180,11 @@ OPENAI_RESPONSES = {
     "chat": {200: _ok(ChatCompletionResponse, "The chat completion, or its chunks when stream is true",
                       stream=True)},
     "models": {200: _ok(ModelList, "The served model")},
+    "responses": {200: _ok(ResponseObject, "The response, or its events when stream is true", stream=True),
+                  404: {"description": "Unknown model, or previous_response_id not stored here",
+                        "content": _json(ErrorResponse)}},
+    "response": {200: _ok(ResponseObject, "The stored response")},
+    "response_deleted": {200: _ok(DeletedResponse, "The stored response was deleted")},
     "model": {200: _ok(ModelCard, "The served model, if that is its name")},
 }
 
@@ -182,8 +205,8 @@ ERROR_STATUSES = {400: "Invalid request", 401: "Missing or wrong API key", 403: 
                   500: "Internal error", 503: "Overloaded (with Retry-After) or the engine is not responding"}
 
 REQUEST_MODELS: list[type[BaseModel]] = []
-RESPONSE_MODELS = [ErrorResponse, CompletionResponse, ChatCompletionResponse, ModelList, ModelCard, GenerateResult,
-                   FlushCacheResponse, ServerInfo, Health]
+RESPONSE_MODELS = [ErrorResponse, CompletionResponse, ChatCompletionResponse, ResponseObject, DeletedResponse,
+                   ModelList, ModelCard, GenerateResult, FlushCacheResponse, ServerInfo, Health]
 
 
 def documented(request_model: type[BaseModel] | None, responses: dict) -> dict:
@@ -237,7 +260,7 @@ def document_bounds(schemas: dict, vocab_size: int, context_len: int) -> None:
               "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS}, "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
               "top_logprobs_num": {"minimum": 0, "maximum": MAX_LOGPROBS},
               "min_tokens": {"minimum": 0}, "min_new_tokens": {"minimum": 0}}
-    for name in ("max_tokens", "max_completion_tokens", "max_new_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "max_new_tokens", "max_output_tokens"):
         bounds[name] = {"minimum": 1, "maximum": context_len}
     for model in schemas.values():
         for name, prop in model.get("properties", {}).items():
@@ -246,7 +269,7 @@ def document_bounds(schemas: dict, vocab_size: int, context_len: int) -> None:
             if name in ("prompt", "input_ids", "stop_token_ids"):
                 for items in _token_id_items(prop):
                     items.update({"minimum": 0, "maximum": vocab_size - 1})
-            if name in ("prompt", "text", "input_ids", "messages"):
+            if name in ("prompt", "text", "input_ids", "messages", "input"):
                 _non_empty(prop)
             if name == "stop":
                 for member in prop.get("anyOf", []):

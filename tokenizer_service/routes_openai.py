@@ -27,6 +27,8 @@ async def _generate(ctx: ServingContext, request: Request, req: CompletionReques
     n = fields.pop("n")
     await ctx.grammar_check.check(fields)  # a grammar that does not compile is a 400 (structured_outputs.py)
     tools = ChatTools(req, ctx.args.tool_call_parser, ctx.tokenizer) if chat else None
+    if chat and ctx.reasoning is not None:  # --reasoning-parser: the <think> block becomes reasoning_content
+        tools = ctx.reasoning.reply(tools, prompts[0], fields)
     prompts = build_prompts(ctx, fields, prompts, "messages" if chat else "prompt")
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())

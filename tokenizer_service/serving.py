@@ -22,6 +22,7 @@ from radixserve.sampling import SamplingParams
 from tokenizer_service.errors import RequestError, error_for_status
 from tokenizer_service.metrics import ServerMetrics
 from tokenizer_service.openai_schema import openai_error_from_validation
+from tokenizer_service.reasoning import ReasoningParser
 from tokenizer_service.request_manager import (EngineOverloaded, EngineUnavailable, RequestGroup, RequestManager,
                                                TooManySequences)
 from tokenizer_service.streaming import abort_on_disconnect, first_error
@@ -60,6 +61,9 @@ class ServingContext:
             return tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
         self.token_text = token_text
+        # --reasoning-parser: chat replies' <think> blocks split off as reasoning_content (reasoning.py)
+        self.reasoning = ReasoningParser(self.args.reasoning_parser, tokenizer, token_text) \
+            if self.args.reasoning_parser else None
 
     @property
     def vocab_size(self) -> int:
