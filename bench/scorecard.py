@@ -25,12 +25,14 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 
 from bench.latency import measure as measure_latency
 from bench.offline_throughput import Workload, prompts_for, timed_run
 from bench.run_record import REPO, run_record
 from radixserve.engine import Engine
+from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import dummy_config_dir
 
 PARTS = ("06b", "8b", "serve", "fidelity")
@@ -75,6 +77,25 @@ def gpu_busy_in_decode(engine: Engine, w: Workload, profile_dir: Path, seconds: 
     return shares
 
 
+def engine_burst_seconds(engine: Engine, repeats: int) -> tuple[list[float], list[float]]:
+    """Issue 27's burst as token ids through Engine: 8 system prompts of 1,520 tokens cached by a warm-up, then 128
+    requests at once, each a system prompt and 20 new tokens, one output token. Per repeat: the first tokens' p50
+    and p99 (seconds from the submission of the burst)."""
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(1)
+    systems = [rng.integers(100, vocab - 100, 1520).tolist() for _ in range(8)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    burst = lambda: [systems[i % 8] + rng.integers(100, vocab - 100, 20).tolist() for i in range(128)]  # noqa: E731
+    engine.generate([s + [7] for s in systems], params)
+    engine.generate(burst(), params)  # warm-up on the burst's shapes
+    p50, p99 = [], []
+    for _ in range(repeats):
+        times = sorted(r.first_token_s for r in engine.generate(burst(), params))
+        p50.append(times[len(times) // 2])
+        p99.append(times[min(len(times) - 1, int(0.99 * len(times)))])
+    return p50, p99
+
+
 def shape_part(part: str, tokenizer: str, repeats: int, card: dict) -> None:
     model_dir = str(dummy_config_dir(SHAPES[part], tokenizer))
     gsp = GSP[part]
@@ -97,6 +118,10 @@ def shape_part(part: str, tokenizer: str, repeats: int, card: dict) -> None:
             put(card, f"gpu_busy_w1_{part}", gpu_busy_in_decode(engine, W1, profile_dir, statistics.median(w1),
                                                                 repeats))
             put(card, f"gsp_s_{part}", workload_seconds(engine, gsp, repeats, card, f"gsp_s_{part}"))
+            if part == "06b":
+                p50, p99 = engine_burst_seconds(engine, repeats)
+                put(card, "engine_burst_ttft_p50_ms_06b", p50, 1e3, 1)
+                put(card, "engine_burst_ttft_p99_ms_06b", p99, 1e3, 1)
     finally:
         for key in ("RADIXSERVE_PROFILE_DIR", "RADIXSERVE_PROFILE_TRIGGER", "RADIXSERVE_PROFILE_STEPS"):
             os.environ.pop(key, None)

@@ -39,6 +39,7 @@ class GenerationResult:
     error: str | None = None
     matched_stop: int | str | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    first_token_s: float | None = None  # from this call's submission of the request to its first token here
 
 
 class EngineBase:
@@ -89,8 +90,10 @@ class EngineBase:
             rid = f"engine-{self._prefix}-{next(self._ids)}"
             pipelines[rid] = RequestPipeline(rid, ids, params, self.tokenizer, index)
         results = {rid: SequenceResult(p.index) for rid, p in pipelines.items()}
+        first_token_s: dict[str, float] = {}
         bar = tqdm(total=len(pipelines), desc="Generating", disable=not use_tqdm)
         try:
+            submitted = time.perf_counter()
             for rid, pipeline in pipelines.items():
                 self._submit(rid, pipeline.prompt_ids, pipeline.params)
             pending = len(pipelines)
@@ -99,6 +102,8 @@ class EngineBase:
                     pipeline = pipelines.get(out.rid)
                     if pipeline is None or pipeline.finished:
                         continue  # another generate() call's request, or one this call already ended
+                    if out.rid not in first_token_s and out.token_ids:
+                        first_token_s[out.rid] = time.perf_counter() - submitted
                     results[out.rid].add(pipeline.process(out))
                     if pipeline.finished:
                         pending -= 1
@@ -110,7 +115,7 @@ class EngineBase:
                 if not pipeline.finished:
                     pipeline.end("abort")
                     self._abort(rid)
-        generated = [_result(pipelines[rid], results[rid]) for rid in pipelines]
+        generated = [_result(pipelines[rid], results[rid], first_token_s.get(rid)) for rid in pipelines]
         return generated[0] if single else generated
 
     def _prepare(self, prompt: Prompt, params) -> tuple[list[int], SamplingParams]:
@@ -123,10 +128,11 @@ class EngineBase:
                              kv_pool_tokens=self.kv_pool_tokens), params
 
 
-def _result(pipeline: RequestPipeline, result: SequenceResult) -> GenerationResult:
+def _result(pipeline: RequestPipeline, result: SequenceResult, first_token_s: float | None) -> GenerationResult:
     return GenerationResult(text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
                             prompt_tokens=len(pipeline.prompt_ids), cached_tokens=pipeline.cached_tokens,
-                            error=result.error, matched_stop=result.matched_stop, logprobs=result.logprobs)
+                            error=result.error, matched_stop=result.matched_stop, logprobs=result.logprobs,
+                            first_token_s=first_token_s)
 
 
 class Engine(EngineBase):
