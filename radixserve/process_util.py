@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -104,6 +105,10 @@ def run_child(name: str, main: Callable, extra_args: tuple[str, ...] = ()) -> No
     launcher = Channel(ctx, zmq.PUSH, endpoints.launcher, bind=False)
 
     def on_ready(info=None) -> None:
+        # Everything built at start-up (model, tokenizer, graphs, the app) lives as long as the process: moved out of
+        # the collector's generations, a full collection no longer walks it (70-160 ms pauses mid-serving before).
+        gc.collect()
+        gc.freeze()
         launcher.send(ProcessReady(name, info or {}))
         if args.watchdog_timeout:  # resolved to a number by the launcher; 0 turns the watchdog off
             start_heartbeat(ctx, name, endpoints.launcher, heartbeat_interval(args.watchdog_timeout))

@@ -282,6 +282,8 @@ class RequestManager:
         self.latest_load = batch.load
         self.metrics.update_load(batch.load)
         now = time.monotonic()
+        # Per-token figures are gathered over the batch and recorded once (tokenizer_service/metrics.py).
+        self._ttfts, self._itls, self._tokens = [], [], 0
         for out in batch.outputs:
             seq = self._sequences.get(out.rid)
             if seq is None:
@@ -291,6 +293,11 @@ class RequestManager:
             except Exception as e:  # noqa: BLE001 - e.g. a tokenizer failing on one sequence: fail just that one
                 logger.exception("failed to process output of %s", out.rid)
                 self._end_locally(seq, seq.end("error", f"internal error while detokenizing: {e}"))
+        m = self.metrics
+        m.time_to_first_token.observe_many(self._ttfts)
+        m.inter_token_latency.observe_many(self._itls)
+        if self._tokens:
+            m.generation_tokens.inc(self._tokens)
 
     def _on_output(self, seq: Sequence, out: RequestOutput, now: float) -> None:
         m = self.metrics
@@ -303,11 +310,11 @@ class RequestManager:
                 m.queue_time.observe(out.queue_time)
         if output.token_ids:
             if seq.last_token_at is None:
-                m.time_to_first_token.observe(now - seq.arrival)
+                self._ttfts.append(now - seq.arrival)
             else:
-                m.inter_token_latency.observe(now - seq.last_token_at)
+                self._itls.append(now - seq.last_token_at)
             seq.last_token_at = now
-            m.generation_tokens.inc(len(output.token_ids))
+            self._tokens += len(output.token_ids)
         if output.finished:
             self._finish(seq, output)  # the scheduler has let go of it already
         else:
