@@ -5,6 +5,7 @@ with commit, date, GPU and one key per figure: the median of repeated runs, and 
 
     python -m bench.scorecard --tokenizer DIR --parts 06b,serve      # one call of < 10 minutes on an H100
     python -m bench.scorecard --tokenizer DIR --parts 8b
+    python -m bench.scorecard --tokenizer DIR --parts burst          # issue 27's burst of 128 chats (3-4 minutes)
     python -m bench.scorecard --parts fidelity                       # real weights (the demo model)
 
 A part adds its keys to the file and leaves the others' as they were, so that the parts can run in separate calls.
@@ -35,7 +36,7 @@ from radixserve.engine import Engine
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import dummy_config_dir
 
-PARTS = ("06b", "8b", "serve", "fidelity")
+PARTS = ("06b", "8b", "serve", "burst", "fidelity")
 SHAPES = {"06b": "qwen3-0.6b", "8b": "qwen3-8b"}
 W1 = Workload("W1", 8, 16, 1024, 128, 128)
 GSP = {"06b": Workload("gsp", 64, 16, 2048, 128, 256), "8b": Workload("gsp", 16, 16, 2048, 128, 256)}
@@ -174,6 +175,24 @@ def serve_part(tokenizer: str, repeats: int, card: dict) -> None:
     card["serve_itl_over_engine_step"] = round(card["serve_itl_ms"] / card["engine_step_ms_serve_shape"], 3)
 
 
+def burst_part(tokenizer: str, repeats: int, card: dict) -> None:
+    """bench.ttft_under_load's burst (0.6B shape): 128 streamed chat requests at once through the openai client over
+    8 cached system prompts of ~1,520 tokens, after a warm-up; TTFT p50 / p99 of each timed burst."""
+    import multiprocessing
+
+    from bench.ttft_under_load import run_mode, system_prompts
+    from radixserve.tokenizer_loading import load_tokenizer
+
+    ns = argparse.Namespace(device="cuda", load_format="dummy", tokenizer=tokenizer, config=SHAPES["06b"],
+                            server_flags="", seed=0, client_procs=4, shared_client=False, max_tokens=64,
+                            requests=128, repeats=repeats)
+    prompts = system_prompts(load_tokenizer(tokenizer), 8, 1520, 0)
+    with multiprocessing.get_context("spawn").Pool(ns.client_procs) as pool:
+        result = run_mode("pieces", str(dummy_config_dir(SHAPES["06b"], tokenizer)), ns, prompts, pool)
+    put(card, "serve_burst_ttft_p50_ms", result["ttft_p50_ms"]["runs"], 1, 1)
+    put(card, "serve_burst_ttft_p99_ms", result["ttft_p99_ms"]["runs"], 1, 1)
+
+
 def fidelity_part(card: dict) -> None:
     """bench.fidelity on the demo model's real weights: radixserve bf16 and HF transformers bf16, top-1 agreement
     with HF fp32 teacher forcing (256 chat prompts x 64 tokens)."""
@@ -189,7 +208,8 @@ def fidelity_part(card: dict) -> None:
 
 def print_card(card: dict, part: str) -> None:
     for key, value in card.items():
-        if key.endswith((f"_{part}", f"_{part}_spread")) or (part == "serve" and key.startswith(("serve", "engine"))):
+        serving = part in ("serve", "burst") and key.startswith(("serve", "engine"))
+        if key.endswith((f"_{part}", f"_{part}_spread")) or serving:
             print(f"  {key:34s} {value}", flush=True)
 
 
@@ -219,6 +239,8 @@ def main() -> None:
             shape_part(part, ns.tokenizer, ns.repeats, card)
         elif part == "serve":
             serve_part(ns.tokenizer, ns.repeats, card)
+        elif part == "burst":
+            burst_part(ns.tokenizer, ns.repeats, card)
         else:
             fidelity_part(card)
         card["commands"][part] = f"{record['command']}  ({record['git_commit']}, {record['date']})"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -124,8 +125,15 @@ class ServerArgs:
     max_sequences_per_request: int = _flag(128, "Most sequences (prompts x n) in one request; more is a 400 "
                                                 "(OpenAI's limit on n is 128).")
     max_header_bytes: int = _flag(64 * 1024, "Largest accepted request line + headers (431 above).")
-    tokenizer_workers: int = _flag(2, "Threads that tokenize prompts and render chat templates, off the HTTP event "
-                                      "loop (a huge prompt does not stall other clients).")
+    tokenizer_workers: int | None = _flag(None, "Threads that tokenize prompts and render chat templates, off the "
+                                                "HTTP event loop (a huge prompt does not stall other clients); they "
+                                                "encode in parallel, outside the GIL. Default: one per CPU this "
+                                                "process may use.")
+    chat_segment_cache_mib: int = _flag(64, "MiB of token ids of chat prompt pieces (each message between the "
+                                            "template's special tokens) kept by their text, so a repeated system "
+                                            "prompt or earlier turn is not tokenized again.")
+    disable_chat_segment_cache: bool = _flag(False, "Tokenize every chat prompt whole, as rendered, instead of per "
+                                                    "message with cached pieces (ablation).")
     allowed_origins: str | None = _flag(None, "Comma-separated browser origins allowed to call the API (CORS), e.g. "
                                               "http://localhost:5173; '*' for any. Default: none (CORS off).")
     allowed_hosts: str | None = _flag(None, "Comma-separated extra Host names accepted without --api-key (the bound "
@@ -186,8 +194,13 @@ class ServerArgs:
             raise ValueError(f"--shared-prefix-min-tokens must be >= 1, got {self.shared_prefix_min_tokens}")
         if self.max_sequences_per_request < 1:
             raise ValueError(f"--max-sequences-per-request must be >= 1, got {self.max_sequences_per_request}")
+        if self.tokenizer_workers is None:
+            self.tokenizer_workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
+                (os.cpu_count() or 1)
         if self.tokenizer_workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
+        if self.chat_segment_cache_mib < 0:
+            raise ValueError(f"--chat-segment-cache-mib must be >= 0, got {self.chat_segment_cache_mib}")
         if self.responses_store_size < 0 or not self.responses_store_ttl > 0:
             raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl > 0, got "
                              f"{self.responses_store_size} and {self.responses_store_ttl}")

@@ -87,6 +87,10 @@ class ServerMetrics:
         self.cache = CacheMetrics(model_name)
         r.register(self.cache)
 
+    def watch_segment_cache(self, cache) -> None:
+        """The tokenizer's cache of chat prompt pieces (tokenizer_service/segment_cache.py), read at each scrape."""
+        self.registry.register(SegmentCacheMetrics(self._model_name, cache))
+
     def update_cache(self, info: dict) -> None:
         """The scheduler's cache numbers, from a /server_info answer."""
         self.cache.numbers = dict(info)
@@ -188,3 +192,22 @@ class CacheMetrics:
                                           "by eviction policy.", labels=["model_name", "policy"])
             evicted.add_metric([self.model_name, str(numbers.get("eviction_policy", "lru"))], numbers["evicted_tokens"])
             yield evicted
+
+
+class SegmentCacheMetrics:
+    """A collector of the chat piece cache's numbers: pieces found and encoded, and the bytes it holds."""
+
+    def __init__(self, model_name: str, cache):
+        self.model_name, self.cache = model_name, cache
+
+    def collect(self):
+        cache = self.cache
+        for name, kind, value, doc in (
+                ("chat_segment_cache_hits", "counter", cache.hits, "Chat prompt pieces whose ids were cached."),
+                ("chat_segment_cache_misses", "counter", cache.misses, "Chat prompt pieces encoded (not cached)."),
+                ("chat_segment_cache_evictions", "counter", cache.evictions, "Pieces dropped to stay in budget."),
+                ("chat_segment_cache_bytes", "gauge", cache.bytes, "Estimated bytes the cached pieces hold.")):
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family

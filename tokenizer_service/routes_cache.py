@@ -96,7 +96,8 @@ class PinRequest(_StrictModel):
 async def pin_token_ids(ctx: ServingContext, body: PinRequest) -> list[int]:
     """The tokens a pin body names, checked against the vocabulary."""
     if body.messages is not None:
-        chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=False)
+        # The salt too: the tokenizer's piece cache keeps tenants apart by it, as the radix cache does.
+        chat = ChatCompletionRequest(messages=body.messages, add_generation_prompt=False, cache_salt=body.cache_salt)
         ids, param = await ctx.tokenization.encode_chat(chat), "messages"
     elif body.input_ids is not None:
         ids, param = body.input_ids, "input_ids"

@@ -53,7 +53,11 @@ class ServingContext:
                                           self.model_config.eos_token_ids,
                                           unroll_bounded_strings=not self.args.disable_grammar_string_unrolling)
         if self.tokenization is None:
-            self.tokenization = Tokenization(tokenizer, self.context_len, self.args.tokenizer_workers)
+            cache_mib = 0 if self.args.disable_chat_segment_cache else self.args.chat_segment_cache_mib
+            self.tokenization = Tokenization(tokenizer, self.context_len, self.args.tokenizer_workers, cache_mib)
+        segments = getattr(self.tokenization, "segments", None)
+        if segments is not None:
+            self.metrics.watch_segment_cache(segments.cache)
 
         # Logprob token strings: each token's own text; a vocabulary is small enough to cache whole.
         @functools.lru_cache(maxsize=1 << 18)
