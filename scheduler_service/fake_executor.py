@@ -46,8 +46,10 @@ class FakeExecutor:
         for row, start, n in zip(rows, prefix_lens, extend_lens):
             self.req_to_token[row, start:start + n] = new_slots[offset:offset + n]
             offset += n
+        reused_slots = []
         for reused in batch.reused_slots:
-            slots = unpack_i32(reused.slots)
+            slots = unpack_i32(reused.slots) if reused.source < 0 else reused_slots[reused.source]
+            reused_slots.append(slots)
             self.req_to_token[reused.req_pool_idx, reused.start:reused.start + len(slots)] = slots
         sampled = []
         for row, seq_len, samples in zip(rows, prefix_lens + extend_lens, batch.sample_mask):

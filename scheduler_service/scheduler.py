@@ -67,6 +67,16 @@ class KVInvariantError(AssertionError):
     pass
 
 
+def _shared_once(reused: list[ReusedSlots]) -> list[ReusedSlots]:
+    """The batch's reused ranges with each distinct (start, slots) sent once; the others refer to it by index."""
+    first: dict[tuple[int, bytes], int] = {}
+    out = []
+    for i, r in enumerate(reused):
+        source = first.setdefault((r.start, r.slots), i)
+        out.append(r if source == i else ReusedSlots(r.req_pool_idx, r.start, b"", source))
+    return out
+
+
 class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
     def __init__(self, args: ServerArgs, num_kv_slots: int, context_len: int, eos_token_ids: list[int],
                  tokenizer=None, num_host_slots: int = 0):
@@ -291,7 +301,8 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
             step=self.step_count,
             req_pool_indices=pack_i32(rows), prefix_lens=pack_i32(prefix_lens), extend_lens=pack_i32(extend_lens),
             input_ids=np.concatenate(input_ids).tobytes(), out_cache_loc=new_slots.tobytes(),
-            sample_mask=bytes(samples), new_requests=new_requests, reused_slots=reused, prefix_groups=prefix_groups)
+            sample_mask=bytes(samples), new_requests=new_requests, reused_slots=_shared_once(reused),
+            prefix_groups=prefix_groups)
         self.stats.steps += 1
         decode_tokens = prefills.count(False)
         self.stats.decode_tokens += decode_tokens

@@ -223,3 +223,34 @@ def test_idle_check_walks_the_radix_tree():
     loop.scheduler.check_invariant()
     with pytest.raises(KVInvariantError, match="radix tree"):
         loop.scheduler.check_invariant(walk_tree=True)
+
+
+def test_a_burst_over_one_cached_prompt_sends_its_slots_once():
+    """Requests admitted together over the same cached prefix: the batch carries that prefix's slots once, the other
+    requests refer to it (ReusedSlots.source), and every request's req_to_token row still gets them (the fake
+    executor reads its context through them)."""
+    from radixserve.config import ServerArgs
+    from radixserve.sampling import SamplingParams
+    from scheduler_service.fake_executor import FakeExecutor
+    from scheduler_service.request import Req
+    from scheduler_service.scheduler import Scheduler
+    from scheduler_service.step_loop import make_step_loop
+
+    args = ServerArgs(device="cpu", max_running_requests=32)
+    scheduler = Scheduler(args, 8192, 4096, [2])
+    scheduler.check_invariant_every_step = True
+    loop = make_step_loop(scheduler, FakeExecutor(8192, 32, 4096, 1000))
+    system = list(range(100, 400))
+    one = SamplingParams(temperature=0.0, max_new_tokens=2, ignore_eos=True)
+    scheduler.add_request(Req("warm", system + [5], one))
+    loop.run_until_idle()
+    for i in range(16):
+        scheduler.add_request(Req(f"r{i}", system + [10 + i, 11 + i], one))
+    scheduler_batch = scheduler.schedule()
+    reused = scheduler_batch.batch.reused_slots
+    assert len(reused) == 16 and sum(r.source < 0 for r in reused) == 1
+    assert all(r.slots == b"" and reused[r.source].slots for r in reused if r.source >= 0)
+    loop.executor.launch(scheduler_batch.batch)
+    scheduler.process_results(scheduler_batch, loop.executor.collect())
+    loop.run_until_idle()
+    scheduler.check_invariant(walk_tree=True)

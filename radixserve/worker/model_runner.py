@@ -208,7 +208,9 @@ class ModelRunner:
         index = pool.flat_index(rows, prefix_lens, extend_lens)
         if not batch.reused_slots:
             return index, new_slots
-        reused = [unpack_i32(r.slots) for r in batch.reused_slots]
+        reused = []
+        for r in batch.reused_slots:
+            reused.append(unpack_i32(r.slots) if r.source < 0 else reused[r.source])  # (sent once, ReusedSlots)
         reused_index = pool.flat_index([r.req_pool_idx for r in batch.reused_slots],
                                        [r.start for r in batch.reused_slots], [len(s) for s in reused])
         return np.concatenate([index, reused_index]), np.concatenate([new_slots, *reused])
