@@ -3,6 +3,7 @@
     python -m bench.check_kernels_gpu                       # full set on the GPU (lengths up to 4,100, batch up to 256)
     python -m bench.check_kernels_gpu --out bench/results/kernels-check-h100.md
     python -m bench.check_kernels_gpu --interpret --small   # CPU, TRITON_INTERPRET=1 (what CI runs)
+    python -m bench.check_kernels_gpu --only-fused          # GPU: decode one launch, Q/K prep, gate/up + SiLU
 
 Every case draws fresh random inputs (never zeros), scatters the KV slots at random over a cache
 larger than needed, fills the unused part of req_to_token with plausible-but-wrong slots, and
@@ -125,6 +126,66 @@ class Checker:
         self.record("decode_attention", dtype, f"Hq{hq}/Hkv{hkv} D{d}", case + splits, rel_err(torch, out, ref),
                     TOLERANCE[str(dtype).replace("torch.", "")])
 
+    def decode_one_launch(self, dtype, hq, hkv, d, seq_lens, case, g, num_kv_splits=None):
+        """kernels/one_launch_decode.py's plain path (splits merged in the same launch) against the reference."""
+        from kernels import one_launch_decode
+        torch = self.torch
+        b = make_paged_batch(torch, [s - 1 for s in seq_lens], [1] * len(seq_lens), hq, hkv, d, dtype,
+                             self.device, g)
+        args = (b["req_to_token"], b["req_pool_indices"], b["seq_lens"], d ** -0.5, b["max_seq_len"])
+        ref = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=self.device)
+        self.ref.decode_attention(b["q"], b["k_cache"], b["v_cache"], ref, *args)
+        errs = []
+        for _ in range(2):  # twice: the arrival counts must be back at 0 after a launch
+            out = torch.full_like(b["q"], float("nan"))
+            one_launch_decode.decode_attention(b["q"], b["k_cache"], b["v_cache"], out, *args,
+                                               num_kv_splits=num_kv_splits)
+            errs.append(rel_err(torch, out, ref))
+        splits = f" splits={num_kv_splits}" if num_kv_splits else ""
+        self.record("decode_one_launch", dtype, f"Hq{hq}/Hkv{hkv} D{d}", case + splits, max(errs),
+                    TOLERANCE[str(dtype).replace("torch.", "")])
+
+    def qkv_prep(self, dtype, tokens, hq, hkv, d, rotary_dim, norm, g):
+        """kernels/triton_qkv.py (Q/K norms + RoPE + KV store) against its twin, on strided views of one QKV row."""
+        from kernels import triton_qkv
+        torch = self.torch
+        tol = ELEMENTWISE_TOLERANCE[str(dtype).replace("torch.", "")]
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=g).to(self.device, dtype)
+
+        qkv = randn(tokens, (hq + 2 * hkv) * d)
+        weights = (randn(d) + 1, randn(d) + 1) if norm else (None, None)
+        cos_sin = torch.randn(4096, rotary_dim, generator=g).to(self.device)
+        positions = torch.randint(0, 4096, (tokens,), generator=g).to(self.device)
+        num_slots = 3 * tokens + 5
+        caches = [randn(num_slots, hkv, d) for _ in range(2)]
+        loc = torch.randperm(num_slots, generator=g)[:tokens].to(self.device, torch.int32)
+        results = []
+        for impl in (self.ref, triton_qkv):
+            x, kc, vc = qkv.clone(), caches[0].clone(), caches[1].clone()
+            views = (x[:, :hq * d].view(tokens, hq, d), x[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d),
+                     x[:, (hq + hkv) * d:].view(tokens, hkv, d))
+            impl.qk_norm_rope_store(*views, positions, cos_sin, *weights, 1e-6, kc, vc, loc)
+            results.append((x, kc, vc))
+        (x0, k0, v0), (x1, k1, v1) = results
+        err = max(rel_err(torch, x1, x0), rel_err(torch, k1, k0), 0.0 if torch.equal(v1, v0) else float("inf"))
+        self.record("qkv_prep", dtype, f"T{tokens} {hq}/{hkv}x{d}",
+                    f"{'q/k norm, ' if norm else ''}rotary_dim {rotary_dim}, strided views", err, tol)
+
+    def gate_up(self, dtype, rows, hidden, inter, g, config=None):
+        """kernels/triton_mlp.py against its twin (the projection, then SiLU-and-mul)."""
+        from kernels import triton_mlp
+        torch = self.torch
+        dev_gen = torch.Generator(device=self.device)  # model-sized weights: drawn where they live
+        dev_gen.manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=g)))
+        x = (torch.randn(rows, hidden, generator=dev_gen, device=self.device) / hidden ** 0.25).to(dtype)
+        w = (torch.randn(2 * inter, hidden, generator=dev_gen, device=self.device) / hidden ** 0.25).to(dtype)
+        ref = self.ref.silu_and_mul(torch.nn.functional.linear(x.float(), w.float()))
+        out = triton_mlp.gate_up_silu(x, w, config)
+        self.record("gate_up_silu", dtype, f"M{rows} H{hidden} I{inter}", "vs fp32 projection + silu_and_mul",
+                    rel_err(torch, out, ref), TOLERANCE[str(dtype).replace("torch.", "")])
+
     def store_kv(self, dtype, n, hkv, d, g, index_dtype):
         torch = self.torch
         num_slots = 3 * n + 5
@@ -197,6 +258,14 @@ def run_small(check, torch, g, ew):
     for dtype in (torch.float32, torch.float16):
         check.elementwise(dtype, 7, 96, 4, 2, 32, 32, 80, g, ew)
         check.elementwise(dtype, 3, 64, 2, 1, 64, 32, 33, g, ew)
+        check.qkv_prep(dtype, 5, 4, 2, 32, 32, True, g)
+        check.gate_up(dtype, 5, 64, 48, g)
+    check.qkv_prep(torch.float32, 3, 6, 2, 64, 32, True, g)  # partial rotary: the rest is normalised, not rotated
+    check.qkv_prep(torch.float32, 4, 4, 4, 32, 32, False, g)  # Llama: no norms
+    check.gate_up(torch.float32, 19, 72, 40, g)  # ragged: rows over a tile, hidden and inter off the blocks
+    check.decode_one_launch(torch.float32, 4, 2, 32, [1, 83, 40, 17], "ragged lengths incl. 1", g, num_kv_splits=3)
+    check.decode_one_launch(torch.float16, 8, 2, 32, [100, 3, 64], "more splits than blocks", g, num_kv_splits=8)
+    check.decode_one_launch(torch.float32, 7, 1, 16, [300, 50, 1], "automatic split count, GQA 7", g)
 
 
 def run_full(check, torch, g, ew):
@@ -231,12 +300,35 @@ def run_full(check, torch, g, ew):
         check.elementwise(dtype, 4100, 4096, 32, 8, 128, 128, 12288, g, ew)
         check.elementwise(dtype, 333, 896, 14, 2, 64, 32, 4864, g, ew)
         check.elementwise(dtype, 1, 5120, 40, 8, 128, 64, 13824, g, ew)
+    run_fused(check, torch, g)
+
+
+def run_fused(check, torch, g):
+    """The kernels that cut a decode layer's launches, at model sizes (Qwen3-8B and -0.6B shapes)."""
+    import random
+    rnd = random.Random(99)
+    for dtype in (torch.bfloat16, torch.float32):  # fp16 is checked in the interpreter (tests/test_kernels_triton.py)
+        for tokens in (1, 77, 4100):
+            check.qkv_prep(dtype, tokens, 32, 8, 128, 128, True, g)  # Qwen3-8B
+        check.qkv_prep(dtype, 33, 16, 8, 128, 128, True, g)  # Qwen3-0.6B
+        check.qkv_prep(dtype, 33, 14, 2, 64, 32, False, g)  # partial rotary, no norms
+        for rows in (1, 16, 100):
+            check.gate_up(dtype, rows, 4096, 12288, g)  # Qwen3-8B
+            check.gate_up(dtype, rows, 1024, 3072, g)  # Qwen3-0.6B
+        for hq, hkv in [(32, 32), (32, 8), (16, 8), (32, 4)]:
+            check.decode_one_launch(dtype, hq, hkv, 128, [rnd.randint(1, 4100) for _ in range(7)] + [1],
+                                    "8 random <=4100", g)
+            check.decode_one_launch(dtype, hq, hkv, 128, [rnd.randint(1, 700) for _ in range(256)],
+                                    "256 random <=700", g)
+    check.decode_one_launch(torch.bfloat16, 32, 8, 128, [32768], "1 x 32768", g)
+    check.decode_one_launch(torch.bfloat16, 32, 8, 128, [4099, 5, 1000], "forced splits", g, num_kv_splits=64)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interpret", action="store_true", help="run the Triton kernels in the CPU interpreter")
     parser.add_argument("--small", action="store_true", help="interpreter-sized shapes")
+    parser.add_argument("--only-fused", action="store_true", help="only the layer-fusion kernels, at model sizes")
     parser.add_argument("--out", help="write the result table here as markdown")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -255,7 +347,10 @@ def main():
     g = torch.Generator().manual_seed(args.seed)
     check = Checker(torch, reference, triton_attention, device)
     started = time.time()
-    (run_small if args.small else run_full)(check, torch, g, triton_elementwise)
+    if args.only_fused:
+        run_fused(check, torch, g)
+    else:
+        (run_small if args.small else run_full)(check, torch, g, triton_elementwise)
 
     # The public entry points must reach the same kernels through the dispatcher.
     kernels.set_backend("triton")

@@ -109,7 +109,7 @@ class KernelVariants:
     shadow: launches are recorded but not run, and each kernels.* op is computed by its torch twin instead (kernel
     outputs never change a batch's makeup, and the twins are fast: GPU-sized workloads audit in minutes).
     h100: the wrappers choose block sizes and split counts as for bf16 on an H100 (132 SMs), so that the keys are
-    those of a GPU run, and launches of decode-only steps are left out (CUDA graph replays there).
+    those of a GPU run, and launches of decode-only steps count as start-up's (CUDA graphs captured then).
     min_split_tokens: the split policies' shortest slice (scaled down with a CPU-sized workload).
     compile: each new variant is also compiled for sm_90 (compile_for_h100), its seconds kept in compile_seconds."""
 
@@ -126,9 +126,12 @@ class KernelVariants:
         self.current = name
 
     def record(self, kernel, args, kwargs) -> None:
-        if self.h100 and _in_graph_step():
-            return
         key = specialization_key(kernel, args, kwargs)
+        if self.h100 and _in_graph_step():
+            # A decode-only step replays a CUDA graph, whose capture at start-up compiled its kernels: its keys count
+            # as met at start-up (an eager step of another batch makeup may select the same binary).
+            self.first_phase.setdefault(key, "start-up (CUDA graph capture)")
+            return
         if key not in self.first_phase:
             self.first_phase[key] = self.current
             if self.compile:
@@ -169,7 +172,8 @@ class KernelVariants:
 
     def _shadow_dispatch(self) -> None:
         import kernels
-        from kernels import reference, shared_prefix_attention, triton_attention, triton_elementwise
+        from kernels import (one_launch_decode, reference, shared_prefix_attention, triton_attention,
+                             triton_elementwise, triton_mlp, triton_qkv)
 
         class Shadow:
             """Each op: the Triton wrapper (its launches recorded, not run), then the torch twin (the result)."""
@@ -185,11 +189,16 @@ class KernelVariants:
         self._set(kernels, "_attention_impl", lambda t: Shadow(triton_attention))
         self._set(kernels, "_elementwise_impl", lambda t: Shadow(triton_elementwise))
         self._set(kernels, "_shared_prefix_impl", lambda t: Shadow(shared_prefix_attention))
+        self._set(kernels, "_decode_impl", lambda t: Shadow(one_launch_decode) if kernels.OPTIONS["one_launch_decode"]
+                  else None)
+        fused = type("Fused", (), {"qk_norm_rope_store": staticmethod(triton_qkv.qk_norm_rope_store),
+                                   "gate_up_silu": staticmethod(triton_mlp.gate_up_silu)})
+        self._set(kernels, "_fused_impl", lambda t: Shadow(fused))
 
     def _policy(self) -> None:
         import torch
 
-        from kernels import shared_prefix_attention as spa, triton_attention as ta
+        from kernels import one_launch_decode as one, shared_prefix_attention as spa, triton_attention as ta, triton_mlp
         if self.min_split_tokens:
             self._set(ta.DECODE_SPLITS, "min_split_tokens", self.min_split_tokens)
             self._set(spa.PREFIX_SPLITS, "min_split_tokens", self.min_split_tokens)
@@ -197,11 +206,14 @@ class KernelVariants:
             return
         gpu, bf16 = torch.device("cuda"), torch.bfloat16
         decode_config, extend_config, prefix_config = ta.decode_config, ta.extend_config, spa.prefix_config
-        for module in (ta, spa):
+        for module in (ta, spa, one):
             for name in ("sm_count", "_sm_count"):  # the latter: trees before kernels/triton_common.py
                 if hasattr(module, name):
                     self._set(module, name, lambda device: 132)
         self._set(ta, "decode_config", lambda dtype, device: decode_config(bf16, gpu))
+        one_config, mlp_config = one.decode_config, triton_mlp.gate_up_config
+        self._set(one, "decode_config", lambda dtype, device: one_config(bf16, gpu))
+        self._set(triton_mlp, "gate_up_config", lambda dtype, device: mlp_config(bf16, gpu))
         self._set(ta, "extend_config", lambda dtype, d, device, n=None, programs=None: extend_config(bf16, d, gpu, n, programs))
         self._set(spa, "prefix_config", lambda dtype, device, *rows: prefix_config(bf16, gpu, *rows))
 

@@ -130,7 +130,7 @@ def main() -> None:
     parser.add_argument("--shadow", action="store_true", help="record launches without running them; the torch "
                         "twins compute (fast enough for GPU-sized shapes such as --shape 8 16 1024 128 128)")
     parser.add_argument("--h100", action="store_true", help="block sizes and split counts as for bf16 on an H100; "
-                        "decode-only steps left out (CUDA graph replays there)")
+                        "decode-only steps count as start-up's (CUDA graphs captured then)")
     parser.add_argument("--compile", action="store_true", help="with --shadow: compile every variant for sm_90 "
                         "(Triton's own ptxas, no GPU) and print its seconds (runs without TRITON_INTERPRET)")
     parser.add_argument("--min-split-tokens", type=int, help="shortest split of the split policies (scaled down "

@@ -1,125 +1,50 @@
-"""Shared-prefix (grouped) decode attention against the plain decode kernel: correctness, then speed.
+"""Shared-prefix (grouped) decode attention: correctness of both kernel paths, then each kernel's share of the copy
+bandwidth for the bytes it must read.
 
-    python bench/shared_prefix_kernel_bench.py --out bench/results/shared-prefix-kernel-h100.md   # GPU
-    python bench/shared_prefix_kernel_bench.py --check-only                                       # GPU, no timing
-    TRITON_INTERPRET=1 python bench/shared_prefix_kernel_bench.py --interpret                     # CPU (CI)
+    python bench/shared_prefix_kernel_bench.py --sweep --out bench/results/shared-prefix-bandwidth-h100.md   # GPU
+    python bench/shared_prefix_kernel_bench.py --check-only                                               # GPU
+    TRITON_INTERPRET=1 python bench/shared_prefix_kernel_bench.py --interpret                             # CPU (CI)
 
-A batch is G groups (a prefix of P_g tokens shared by the group's members, each member with its
-own tokens after it) plus ungrouped requests, in shuffled batch order, with every slot scattered
-over the cache and unused table entries pointing at real but wrong slots. Correctness compares
-kernels.decode_attention_grouped with the plain decode kernel on the same batch (and, where it
-fits, with the fp32 torch reference), outputs poisoned with NaN first. Timing is the median of
-triton.testing.do_bench (L2 flushed between runs) and of CUDA-graph replays, after a warm-up.
+Paths: "split" (kernels/triton_attention.py's split + merge kernels, and kernels/shared_prefix_attention.py's prefix
+and suffix kernels) and "one launch" (kernels/one_launch_decode.py). Correctness compares each grouped path with the
+plain decode kernel on the same batch (and with the fp32 torch reference where it fits), outputs poisoned with NaN.
+
+Bandwidth: on the W1 geometry (8 prefixes of 1,024 tokens x 16 members, 128 own tokens each) and the gsp geometry
+(2,048-token prefixes, same groups), for the Qwen3-8B and Qwen3-0.6B attention shapes, each path runs over
+--layers copies of the KV cache in one CUDA graph (more bytes than L2 holds, as a decode step's layers are), and the
+torch profiler gives each kernel's time. A kernel's must-read bytes: each prefix once (prefix kernel), the own tokens
+(suffix kernel), both (one launch), every context (plain kernels; their share can pass 100% as members' shared
+prefix rows come from L2). "padded": the group table and bounds as a decode CUDA graph passes them (bs // 2 groups,
+the context length, the batch size), which is what serving runs.
 """
 
 import argparse
 import datetime
+import itertools
+import json
 import os
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from bench.shared_prefix_batches import (graph_padded, kv_bytes, layer_copies, make_grouped_batch,  # noqa: E402,F401
+                                         own_bytes, plain_args, prefix_bytes, rel_err, run_grouped, run_plain)
+
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
-BYTES_PER_ELEMENT = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
+GEOMETRIES = {"W1": (8, 16, 1024, 128), "gsp": (8, 16, 2048, 128)}  # groups, members, prefix, own tokens
+CONTEXT_LEN = 40960  # Qwen3's: the bound a decode CUDA graph is captured with
 
 
-def make_grouped_batch(groups, ungrouped, hq, hkv, d, dtype, device, generator, prefix_row="member",
-                       pad_groups=0):
-    """groups: [(prefix_len, [own_len of each member])]; ungrouped: [seq_len]. own_len >= 1 (the new token).
-
-    prefix_row "member": a group's prefix is read through its first member's row; "other": through a
-    table row outside the batch that holds the same prefix slots (as a radix-tree node would).
-    Returns the keyword arguments of decode_attention_grouped (without o and sm_scale) plus q.
-    """
-    g = generator
-    reqs = [(gi, p, own) for gi, (p, owns) in enumerate(groups) for own in owns] + [(-1, 0, n) for n in ungrouped]
-    reqs = [reqs[i] for i in torch.randperm(len(reqs), generator=g).tolist()]
-    bsz = len(reqs)
-    seq_lens = [p + own for _, p, own in reqs]
-    num_slots = sum(p for p, _ in groups) + sum(own for _, _, own in reqs) + 64
-    num_rows = bsz + len(groups) + 3
-    table = torch.randint(0, num_slots, (num_rows, max(seq_lens) + 7), generator=g, dtype=torch.int32)
-    rows = torch.randperm(num_rows, generator=g)[:bsz + len(groups)].tolist()
-    slots = torch.randperm(num_slots, generator=g).to(torch.int32)
-    cursor = 0
-
-    def take(n):
-        nonlocal cursor
-        cursor += n
-        return slots[cursor - n:cursor]
-
-    prefix_slots = [take(p) for p, _ in groups]
-    for gi, p in enumerate(prefix_slots):
-        table[rows[bsz + gi], :len(p)] = p
-    members = [[] for _ in groups]
-    for b, (gi, p, own) in enumerate(reqs):
-        if gi >= 0:
-            table[rows[b], :p] = prefix_slots[gi]
-            members[gi].append(b)
-        table[rows[b], p:p + own] = take(own)
-    prefix_rows = [rows[m[0]] if prefix_row == "member" else rows[bsz + gi] for gi, m in enumerate(members)]
-    starts = [0]
-    for m in members:
-        starts.append(starts[-1] + len(m))
-    starts += [starts[-1]] * pad_groups  # empty groups, as a CUDA-graph-padded table has
-
-    dev_gen = torch.Generator(device=device)
-    dev_gen.manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=g)))
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=dev_gen, device=device).to(dtype)
-
-    def ints(values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    return dict(
-        q=randn(bsz, hq, d), k_cache=randn(num_slots, hkv, d), v_cache=randn(num_slots, hkv, d),
-        req_to_token=table.to(device), req_pool_indices=ints(rows[:bsz]), seq_lens=ints(seq_lens),
-        group_prefix_lens=ints([p for p, _ in groups] + [0] * pad_groups),
-        group_prefix_rows=ints(prefix_rows + [0] * pad_groups),
-        group_member_start=ints(starts), group_members=ints([b for m in members for b in m]),
-        req_group=ints([gi for gi, _, _ in reqs]), req_suffix_start=ints([p for _, p, _ in reqs]),
-        max_seq_len=max(seq_lens), max_prefix_len=max([p for p, _ in groups] + [1]),
-        max_group_size=max([len(m) for m in members] + [1]))
-
-
-def plain_args(b):
-    return (b["req_to_token"], b["req_pool_indices"], b["seq_lens"], b["q"].shape[-1] ** -0.5, b["max_seq_len"])
-
-
-def run_plain(impl, b, o):
-    impl.decode_attention(b["q"], b["k_cache"], b["v_cache"], o, *plain_args(b))
-
-
-def run_grouped(impl, b, o, **splits):
-    impl.decode_attention_grouped(
-        b["q"], b["k_cache"], b["v_cache"], o, b["req_to_token"], b["req_pool_indices"], b["seq_lens"],
-        b["group_prefix_lens"], b["group_prefix_rows"], b["group_member_start"], b["group_members"], b["req_group"],
-        b["req_suffix_start"], b["q"].shape[-1] ** -0.5, b["max_seq_len"], b["max_prefix_len"], b["max_group_size"], **splits)
-
-
-def rel_err(out, ref):
-    if not torch.isfinite(out).all():
-        return float("inf")  # NaN poison left: some output element was never written
-    out, ref = out.double(), ref.double()
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
-
-
-def check_case(rows, impl, plain, reference, dtype, hq, hkv, d, groups, ungrouped, case, g, splits=None, fuse=None, **layout):
-    """Grouped (impl) vs the plain decode kernel, both writing fp32; vs the fp32 reference when it fits.
-
-    splits: (suffix, prefix) split counts forced on the Triton kernels instead of the automatic policy;
-    fuse: force the merge fused into the suffix kernel (True) or a merge kernel (False).
-    """
+def check_case(rows, impl, plain, reference, dtype, hq, hkv, d, groups, ungrouped, case, g, forced=None, **layout):
+    """Grouped (impl) vs the plain decode kernel, both writing fp32; vs the fp32 reference when it fits. forced:
+    keyword arguments of impl.decode_attention_grouped that override its policy (split counts, programs)."""
     b = make_grouped_batch(groups, ungrouped, hq, hkv, d, dtype, b_device(), g, **layout)
     out = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=b["q"].device)
-    forced = dict(num_suffix_splits=splits[0], num_prefix_splits=splits[1]) if splits else {}
-    if fuse is not None:
-        forced["fuse_merge"] = fuse
-    run_grouped(impl, b, out, **forced)
+    run_grouped(impl, b, out, **(forced or {}))
     expect = torch.full_like(out, float("nan"))
     run_plain(plain, b, expect)
     err = rel_err(out, expect)
@@ -132,12 +57,11 @@ def check_case(rows, impl, plain, reference, dtype, hq, hkv, d, groups, ungroupe
     tol = TOLERANCE[dtype]
     ok = err < tol and (ref_err is None or ref_err < tol)
     shape = f"Hq{hq}/Hkv{hkv} D{d}"
-    case += f" splits={splits[0]}/{splits[1]}" if splits else ""
-    case += "" if fuse is None else (" fused merge" if fuse else " merge kernel")
+    case = f"{impl.__name__.split('.')[-1]}: {case}" + "".join(f" {k}={v}" for k, v in (forced or {}).items())
     sizes = "+".join(str(len(m)) for _, m in groups) or "-"
     rows.append((str(dtype)[6:], shape, case, sizes, err, ref_err, tol, ok))
     ref_text = "-" if ref_err is None else f"{ref_err:.2e}"
-    print(f"{str(dtype)[6:]:<9} {shape:<15} {case:<40} {err:10.2e} {ref_text:>10} {tol:8.0e} "
+    print(f"{str(dtype)[6:]:<9} {shape:<15} {case:<70} {err:10.2e} {ref_text:>10} {tol:8.0e} "
           f"{'ok' if ok else 'FAIL'}", flush=True)
 
 
@@ -148,217 +72,216 @@ def b_device():
     return _DEVICE[0]
 
 
-def run_checks(rows, impl, plain, reference, small, g):
-    """small: interpreter-sized (CI). Covers GQA 1/4/8, D 64/128, 1-token prefixes, ungrouped requests,
-    non-contiguous members, prefixes read through a row outside the batch, padding groups, several
-    suffix and prefix splits."""
-    if small:
-        dtypes = [torch.float32, torch.float16]  # bf16 tl.dot is wrong in the Triton CPU interpreter
-        shapes = [(4, 4, 64), (8, 2, 32), (8, 1, 128)]
-        for dtype in dtypes:
-            for hq, hkv, d in shapes:
-                check_case(rows, impl, plain, reference, dtype, hq, hkv, d,
-                           [(37, [1, 5, 20]), (1, [3, 1]), (16, [2, 9])], [1, 41, 6], "mixed groups + ungrouped", g)
-        check_case(rows, impl, plain, reference, torch.float32, 4, 1, 32, [(70, [1, 2, 3, 4, 5])], [], "one group, "
-                   "prefix via other row, 2 pads", g, prefix_row="other", pad_groups=2)
-        for dtype in dtypes:
-            check_case(rows, impl, plain, reference, dtype, 8, 2, 64, [(70, [1, 40, 9]), (3, [66])], [100, 1],
-                       "ragged", g, splits=(3, 4))
-        check_case(rows, impl, plain, reference, torch.float32, 8, 2, 64, [(70, [1, 40, 9]), (3, [66])], [100, 1],
-                   "ragged", g, splits=(1, 3), fuse=False)
-        check_case(rows, impl, plain, reference, torch.float32, 8, 2, 64, [(70, [1, 40, 9]), (3, [66])], [100, 1],
-                   "ragged", g, splits=(1, 3), fuse=True)
-        return
-    dtypes = [torch.bfloat16, torch.float16, torch.float32]
-    for dtype in dtypes:
-        for hq, hkv, d in [(32, 8, 128), (16, 16, 64), (32, 4, 128), (14, 2, 64)]:
-            check_case(rows, impl, plain, reference, dtype, hq, hkv, d,
-                       [(2048, [256] * 16), (1, [5, 1]), (700, [1, 33, 300])], [1, 2000, 64], "mixed", g)
-        check_case(rows, impl, plain, reference, dtype, 32, 8, 128, [(32768, [3, 200]), (4000, [100] * 256)],
-                   [], "32K prefix; group of 256", g, prefix_row="other", pad_groups=5)
-        for fuse in (True, False):
-            check_case(rows, impl, plain, reference, dtype, 32, 8, 128, [(2048, [256] * 16)] * 8, [],
-                       "benchmark shape (8 x 16, 2048 + 256)", g, fuse=fuse)
-
-
-# --------------------------------------------------------------------------------------------------
-# Timing (GPU)
-# --------------------------------------------------------------------------------------------------
-
-
-def timings(fn, graph_only=False):
-    from triton.testing import do_bench, do_bench_cudagraph
-    fn()
-    torch.cuda.synchronize()
-    events = None if graph_only else do_bench(fn, warmup=50, rep=300, return_mode="median")
-    try:
-        graph = do_bench_cudagraph(fn, rep=200, return_mode="median")
-    except TypeError:  # older triton: no return_mode
-        graph = do_bench_cudagraph(fn, rep=200)
-    return events, graph
-
-
-def kv_bytes(b, grouped):
-    """The KV bytes a step must read: every request's whole context, or each prefix once plus own tokens."""
-    per_token = 2 * b["k_cache"].shape[1] * b["k_cache"].shape[2] * BYTES_PER_ELEMENT[b["k_cache"].dtype]
-    if not grouped:
-        return int(b["seq_lens"].sum()) * per_token
-    own = int((b["seq_lens"] - b["req_suffix_start"]).sum())
-    return (own + int(b["group_prefix_lens"].sum())) * per_token
-
-
-def bench_case(rows, tri, plain, group_size, num_requests, prefix_len, own_len, g, hq=32, hkv=8, d=128,
-               dtype=torch.bfloat16):
-    groups = [(prefix_len, [own_len] * group_size)] * (num_requests // group_size)
-    b = make_grouped_batch(groups, [], hq, hkv, d, dtype, "cuda", g)
-    o = torch.empty_like(b["q"])
-    plain_ms = timings(lambda: run_plain(plain, b, o))
-    grouped_ms = timings(lambda: run_grouped(tri, b, o))
-    row = (num_requests, group_size, prefix_len, own_len, kv_bytes(b, False), kv_bytes(b, True),
-           *plain_ms, *grouped_ms)
-    rows.append(row)
-    print(f"B{num_requests} x{group_size:<4} P{prefix_len:<6} own{own_len:<4} plain {plain_ms[0] * 1e3:8.1f} us "
-          f"(graph {plain_ms[1] * 1e3:8.1f})  grouped {grouped_ms[0] * 1e3:8.1f} us (graph {grouped_ms[1] * 1e3:8.1f})"
-          f"  speed-up {plain_ms[0] / grouped_ms[0]:5.2f}x / {plain_ms[1] / grouped_ms[1]:5.2f}x", flush=True)
-    del b, o
-    torch.cuda.empty_cache()
-
-
-def bench_markdown(rows):
-    lines = ["| requests | group size | shared P | own | KV read plain / grouped (MB) | plain us | grouped us | "
-             "speed-up | plain us (graph) | grouped us (graph) | speed-up (graph) | plain / grouped GB/s (model) |",
-             "|" + "---|" * 12]
-    for n, gs, p, own, bp, bg, pe, pg, ge, gg in rows:
-        lines.append(f"| {n} | {gs} | {p} | {own} | {bp / 1e6:.0f} / {bg / 1e6:.0f} | {pe * 1e3:.1f} | "
-                     f"{ge * 1e3:.1f} | {pe / ge:.2f}x | {pg * 1e3:.1f} | {gg * 1e3:.1f} | **{pg / gg:.2f}x** | "
-                     f"{bp / (pg * 1e-3) / 1e9:.0f} / {bg / (gg * 1e-3) / 1e9:.0f} |")
-    return lines
-
-
-def tune(tri, g, lines):
-    """Prefix-kernel blocks, prefix split policy and fused/unfused merge on the target shape, timed as graph
-    replays (eager timing of this path measures the host's launches). The best is applied to tri."""
-    import itertools
-    b = make_grouped_batch([(2048, [256] * 16)] * 8, [], 32, 8, 128, torch.bfloat16, "cuda", g)
-    o = torch.empty_like(b["q"])
-    base = dict(tri.PREFIX_CONFIG["16bit"])
-    results = []
-    lines += ["", "## Tuning (target shape, CUDA-graph replays, median)", "", "| prefix config | us |", "|---|---|"]
-    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
-        cfg = dict(base, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        tri.PREFIX_CONFIG["16bit"] = cfg
-        try:
-            ms = timings(lambda: run_grouped(tri, b, o), graph_only=True)[1]
-        except Exception as exc:  # e.g. out of shared memory
-            print(f"tune {cfg}: {type(exc).__name__}", flush=True)
+def run_checks(rows, paths, plain, reference, small, g, quick=False):
+    """paths: {module: forced-policy cases}. small: interpreter-sized (CI). Covers GQA 1/4/7/8, D 64/128, 1-token
+    prefixes, ungrouped requests, non-contiguous members, prefixes read through a row outside the batch, padding
+    groups, several suffix splits and prefix slices. quick: fewer dtypes and shapes on the GPU."""
+    for impl, forced_cases in paths.items():
+        if small:
+            for dtype in (torch.float32, torch.float16):  # bf16 tl.dot is wrong in the Triton CPU interpreter
+                for hq, hkv, d in [(4, 4, 64), (8, 2, 32), (8, 1, 128)]:
+                    check_case(rows, impl, plain, reference, dtype, hq, hkv, d,
+                               [(37, [1, 5, 20]), (1, [3, 1]), (16, [2, 9])], [1, 41, 6], "mixed groups + ungrouped",
+                               g)
+            check_case(rows, impl, plain, reference, torch.float32, 4, 1, 32, [(70, [1, 2, 3, 4, 5])], [],
+                       "one group, prefix via other row, 2 pads", g, prefix_row="other", pad_groups=2)
+            check_case(rows, impl, plain, reference, torch.float32, 14, 2, 32, [(40, [3] * 6), (9, [1, 2])], [7],
+                       "GQA 7, a group over two member blocks", g)
+            for forced in forced_cases:
+                for dtype in (torch.float32, torch.float16):
+                    check_case(rows, impl, plain, reference, dtype, 8, 2, 64, [(70, [1, 40, 9]), (3, [66])],
+                               [100, 1], "ragged", g, forced)
             continue
-        results.append((ms, cfg))
-        lines.append(f"| {cfg} | {ms * 1e3:.1f} |")
-        print(f"tune {cfg}: {ms * 1e3:.1f} us", flush=True)
-    best_ms, best = min(results, key=lambda r: r[0])
-    tri.PREFIX_CONFIG["16bit"] = best
-    base_split = tri.PREFIX_SPLITS["min_split_tokens"]
-    split_results = []
-    for tokens in (128, 256, 512, 1024):
-        tri.PREFIX_SPLITS["min_split_tokens"] = tokens
-        ms = timings(lambda: run_grouped(tri, b, o), graph_only=True)[1]
-        split_results.append((ms, tokens))
-        lines.append(f"| best blocks, min_split_tokens {tokens} | {ms * 1e3:.1f} |")
-        print(f"tune min_split_tokens {tokens}: {ms * 1e3:.1f} us", flush=True)
-    tri.PREFIX_SPLITS["min_split_tokens"] = min(split_results)[1]
-    unfused = timings(lambda: run_grouped(tri, b, o, fuse_merge=False), graph_only=True)[1]
-    fused = timings(lambda: run_grouped(tri, b, o, fuse_merge=True), graph_only=True)[1]
-    lines.append(f"| best, merge kernel / merge fused into the suffix kernel | {unfused * 1e3:.1f} / {fused * 1e3:.1f} |")
-    chosen = f"prefix {best}, min_split_tokens {tri.PREFIX_SPLITS['min_split_tokens']} (before: {base}, {base_split})"
+        for dtype in (torch.bfloat16, torch.float32) if quick else (torch.bfloat16, torch.float16, torch.float32):
+            for hq, hkv, d in [(32, 8, 128), (16, 8, 128), (14, 2, 64)] if quick else [
+                    (32, 8, 128), (16, 8, 128), (16, 16, 64), (32, 4, 128), (14, 2, 64)]:
+                check_case(rows, impl, plain, reference, dtype, hq, hkv, d,
+                           [(2048, [256] * 16), (1, [5, 1]), (700, [1, 33, 300])], [1, 2000, 64], "mixed", g)
+            check_case(rows, impl, plain, reference, dtype, 32, 8, 128, [(32768, [3, 200]), (4000, [100] * 256)],
+                       [], "32K prefix; group of 256", g, prefix_row="other", pad_groups=5)
+            for forced in forced_cases:
+                check_case(rows, impl, plain, reference, dtype, 32, 8, 128, [(1024, [128] * 16)] * 8, [],
+                           "W1 shape (8 x 16, 1024 + 128)", g, forced)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bandwidth (GPU)
+# --------------------------------------------------------------------------------------------------
+
+
+def attention_shapes():
+    """{name: (q heads, KV heads, head_dim)} of the models in radixserve/testing/configs."""
+    shapes = {}
+    for name in ("qwen3-8b", "qwen3-0.6b"):
+        with open(os.path.join(ROOT, "radixserve", "testing", "configs", f"{name}.json")) as f:
+            cfg = json.load(f)
+        shapes[name] = (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"])
+    return shapes
+
+
+def path_variants(kernels_split, kernels_prefix, kernels_one):
+    """(label, run(batch, o), must-read bytes by kernel name) of each path measured."""
+    full = lambda b: kv_bytes(b, grouped=False)  # noqa: E731
+    both = lambda b: prefix_bytes(b) + own_bytes(b)  # noqa: E731
+    return [
+        ("plain, split + merge", lambda b, o: run_plain(kernels_split, b, o),
+         {"_decode_split_kernel": full}),
+        ("plain, one launch", lambda b, o: run_plain(kernels_one, b, o), {"_decode_kernel": full}),
+        ("grouped, split, exact bounds", lambda b, o: run_grouped(kernels_prefix, b, o),
+         {"_prefix_kernel": prefix_bytes, "_suffix_split_kernel": own_bytes}),
+        ("grouped, split, padded", lambda b, o: run_grouped(kernels_prefix, b["padded"], o),
+         {"_prefix_kernel": prefix_bytes, "_suffix_split_kernel": own_bytes}),
+        ("grouped, one launch, padded", lambda b, o: run_grouped(kernels_one, b["padded"], o),
+         {"_decode_kernel": both}),
+        ("grouped, two launches, padded", lambda b, o: run_grouped(kernels_one, b["padded"], o,
+                                                                   policy=dict(launches=2)),
+         {"_decode_kernel": both}),
+    ]
+
+
+def measure(label, run, bytes_by_kernel, layers, copy_bw):
+    """Per-layer time of run over the layer copies (one CUDA graph), and each kernel's time and bandwidth share."""
+    from bench.gpu_timing import capture, kernel_times, replay_seconds
+    outs = [torch.empty_like(b["q"]) for b in layers]
+    graph = capture(lambda: [run(b, o) for b, o in zip(layers, outs)])
+    per_layer = replay_seconds(graph) / len(layers)
+    kernels = {}
+    for name, (seconds, calls) in kernel_times(graph.replay).items():
+        must = bytes_by_kernel.get(name)
+        per_layer_calls = calls / len(layers)
+        # A kernel launched twice a layer (the two-launch path) reads its bytes over both calls.
+        share = must(layers[0]) / (seconds * per_layer_calls) / copy_bw if must else None
+        kernels[name] = (seconds, per_layer_calls, share)
+    del graph, outs
+    return per_layer, kernels
+
+
+def bandwidth(shapes, geometries, layers, copy_bw, lines, paths=None):
+    from kernels import one_launch_decode, shared_prefix_attention, triton_attention
+    g = torch.Generator().manual_seed(0)
+    lines += ["", "| shape | geometry | path | us per layer | kernel: us per call, share of copy bandwidth "
+              "for its must-read bytes |", "|---|---|---|---|---|"]
+    results = {}
+    for (shape, (hq, hkv, d)), (geo, (groups, members, prefix, own)) in itertools.product(shapes.items(),
+                                                                                       geometries.items()):
+        b = make_grouped_batch([(prefix, [own] * members)] * groups, [], hq, hkv, d, torch.bfloat16, "cuda", g)
+        copies = layer_copies(b, layers)
+        for c in copies:
+            c["padded"] = graph_padded(c, CONTEXT_LEN, max(1, c["q"].shape[0] // 2))
+        for label, run, must in path_variants(triton_attention, shared_prefix_attention, one_launch_decode):
+            if paths and label not in paths:
+                continue
+            per_layer, kernels = measure(label, run, must, copies, copy_bw)
+            results[shape, geo, label] = (per_layer, kernels)
+            detail = "; ".join(f"{n} {s * 1e6:.1f}" + (f" ({share:.0%})" if share else "")
+                               + (f" x{calls:g}" if calls != 1 else "") for n, (s, calls, share) in kernels.items())
+            lines.append(f"| {shape} | {geo} | {label} | {per_layer * 1e6:.1f} | {detail} |")
+            print(f"{shape:<11} {geo:<4} {label:<30} {per_layer * 1e6:8.1f} us/layer   {detail}", flush=True)
+        del b, copies
+        torch.cuda.empty_cache()
+    return results
+
+
+def sweep(shape, geometry, layers, copy_bw, lines):
+    """The one-launch kernel's blocks, then its grouped policy, on one shape and geometry (padded, as served); the
+    fastest of each is applied to kernels/one_launch_decode.py's tables for what follows."""
+    from kernels import one_launch_decode as one
+    hq, hkv, d = attention_shapes()[shape]
+    groups, members, prefix, own = GEOMETRIES[geometry]
+    b = make_grouped_batch([(prefix, [own] * members)] * groups, [], hq, hkv, d, torch.bfloat16, "cuda",
+                           torch.Generator().manual_seed(1))
+    copies = layer_copies(b, layers)
+    for c in copies:
+        c["padded"] = graph_padded(c, CONTEXT_LEN, c["q"].shape[0] // 2)
+    run = lambda b, o: run_grouped(one, b["padded"], o)  # noqa: E731
+    must = {"_decode_kernel": lambda b: prefix_bytes(b) + own_bytes(b)}
+    lines += ["", f"## Sweep of the one-launch kernel ({shape}, {geometry}, padded)", "",
+              "| setting | us per layer | share |", "|---|---|---|"]
+
+    def trial(text):
+        try:
+            per_layer, kernels = measure(text, run, must, copies, copy_bw)
+        except Exception as exc:  # e.g. out of shared memory
+            print(f"sweep {text}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+            return float("inf")
+        share = kernels.get("_decode_kernel", (0, 0, 0))[2] or 0
+        lines.append(f"| {text} | {per_layer * 1e6:.1f} | {share:.0%} |")
+        print(f"sweep {text}: {per_layer * 1e6:.1f} us/layer, {share:.0%}", flush=True)
+        return per_layer
+
+    base = dict(one.DECODE_CONFIG["16bit"])
+    best = (float("inf"), base)
+    for block_n, warps, stages in [(64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (32, 4, 3), (128, 4, 2),
+                                   (128, 8, 2), (64, 4, 4)]:
+        cfg = dict(base, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+        one.DECODE_CONFIG["16bit"] = cfg
+        best = min(best, (trial(f"{cfg}"), cfg), key=lambda r: r[0])
+    one.DECODE_CONFIG["16bit"] = best[1]
+    policy = dict(one.GROUPED_POLICY)
+    best_policy = (float("inf"), policy)
+    for programs, tokens, partials, launches in [(p, t, "float32", 1) for p in (1, 2, 4) for t in (128, 256, 512)] + [
+            (2, 256, "input", 1), (1, 256, "float32", 2), (2, 256, "float32", 2), (2, 128, "float32", 2)]:
+        pol = dict(policy, programs_per_sm=programs, slice_tokens=tokens, partials=partials, launches=launches)
+        one.GROUPED_POLICY.update(pol)
+        best_policy = min(best_policy, (trial(f"{pol}"), pol), key=lambda r: r[0])
+    one.GROUPED_POLICY.update(best_policy[1])
+    chosen = f"blocks {best[1]}, policy {best_policy[1]}"
     lines += ["", f"Chosen and used below: {chosen}."]
-    print(f"tune chose {chosen}; unfused {unfused * 1e3:.1f} us, fused {fused * 1e3:.1f} us", flush=True)
-
-
-def profile_breakdown(tri, g, lines):
-    """GPU time of each kernel of the grouped path on the target shape (torch profiler)."""
-    b = make_grouped_batch([(2048, [256] * 16)] * 8, [], 32, 8, 128, torch.bfloat16, "cuda", g)
-    o = torch.empty_like(b["q"])
-    for fuse in (True, False):
-        run_grouped(tri, b, o, fuse_merge=fuse)
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(20):
-                run_grouped(tri, b, o, fuse_merge=fuse)
-            torch.cuda.synchronize()
-        lines += ["", f"Per-kernel GPU time, merge {'fused' if fuse else 'kernel'} (torch profiler, mean of 20):", ""]
-        for evt in prof.key_averages():
-            us = getattr(evt, "device_time", None) or getattr(evt, "cuda_time", 0.0)
-            if us:
-                lines.append(f"- {evt.key}: {us:.1f} us")
-                print(f"profile fuse={fuse} {evt.key}: {us:.1f} us", flush=True)
+    print(f"sweep chose {chosen}", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interpret", action="store_true", help="CPU tensors, TRITON_INTERPRET=1, small shapes")
     parser.add_argument("--check-only", action="store_true")
-    parser.add_argument("--tune", action="store_true", help="also sweep the prefix kernel's blocks and splits")
+    parser.add_argument("--no-checks", action="store_true", help="bandwidth only")
+    parser.add_argument("--quick-checks", action="store_true", help="GPU checks in bf16 and fp32, three shapes")
+    parser.add_argument("--sweep", action="store_true", help="first sweep the one-launch kernel's blocks and policy")
+    parser.add_argument("--layers", type=int, default=6, help="KV cache copies a timed step runs over")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write a markdown report here")
     args = parser.parse_args()
     if args.interpret and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--interpret needs TRITON_INTERPRET=1 in the environment (triton reads it at import)")
     _DEVICE[0] = "cpu" if args.interpret else "cuda"
-    from kernels import reference, shared_prefix_attention, triton_attention
+    from kernels import one_launch_decode, reference, shared_prefix_attention, triton_attention
 
     g = torch.Generator().manual_seed(args.seed)
-    check_rows, bench_rows, extra_lines = [], [], []
-    gpu_bench = not args.interpret and not args.check_only
-
-    def write_report():
-        if not args.out:
-            return
-        # The report names where it is kept in the repository, not the device machine's scratch folder.
-        command = [a if a != args.out else f"bench/results/{os.path.basename(a)}" for a in sys.argv[1:]]
-        lines = ["# Shared-prefix decode attention vs the plain decode kernel", "",
-                 f"`python bench/shared_prefix_kernel_bench.py {' '.join(command)}` on "
-                 f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, "
-                 f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
-                 f"seed {args.seed}.", ""]
-        if gpu_bench:
-            lines += ["## Timing (Qwen3-8B attention shape: 32 q heads, 8 KV heads, head_dim 128, bf16)", "",
-                      "Same batch for both paths (groups of `group size` requests, each `shared P` + `own` tokens, "
-                      "members shuffled in the batch, slots scattered). `us`: triton do_bench median (eager "
-                      "launches, L2 flushed); `(graph)`: median of CUDA-graph replays, as the model runner's decode "
-                      "step runs. KV read: the model bytes (plain: every context; grouped: each prefix once + own "
-                      "tokens); GB/s: grouped model bytes over its graph time.", ""]
-            lines += bench_markdown(bench_rows) + extra_lines
-        lines += ["", "## Correctness (relative L2 error, outputs in fp32)", "",
+    check_rows, lines = [], []
+    failed = []
+    started = time.time()
+    if not args.no_checks:
+        paths = {shared_prefix_attention: [dict(num_suffix_splits=3, num_prefix_splits=4),
+                                           dict(num_suffix_splits=1, num_prefix_splits=3, fuse_merge=False)],
+                 one_launch_decode: [dict(num_suffix_splits=3, prefix_programs=3,
+                                          policy=dict(slice_tokens=16, max_slices=3)),
+                                     dict(num_suffix_splits=2, prefix_programs=2,
+                                          policy=dict(slice_tokens=16, max_slices=16, partials="input",
+                                                      prefix_last=True))]}
+        print(f"{'dtype':<9} {'shape':<15} {'case':<70} {'vs plain':>10} {'vs ref':>10} {'tol':>8}")
+        run_checks(check_rows, paths, triton_attention, reference, args.interpret, g, args.quick_checks)
+        failed = [r for r in check_rows if not r[-1]]
+        print(f"checks: {len(check_rows) - len(failed)}/{len(check_rows)} pass in {time.time() - started:.0f} s")
+    if not args.interpret and not args.check_only:
+        from bench.gpu_timing import copy_bandwidth
+        copy_bw = copy_bandwidth()
+        lines += [f"Copy bandwidth (2 GiB device-to-device, read + written): {copy_bw / 1e9:.0f} GB/s."]
+        print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
+        if args.sweep:
+            sweep("qwen3-8b", "W1", args.layers, copy_bw, lines)
+        bandwidth(attention_shapes(), GEOMETRIES, args.layers, copy_bw, lines)
+    if args.out:
+        header = ["# Shared-prefix decode attention: correctness and bandwidth", "",
+                  f"`python bench/shared_prefix_kernel_bench.py {' '.join(sys.argv[1:])}` on "
+                  f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, "
+                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}.", ""]
+        checks = ["", "## Correctness (relative L2 error, outputs in fp32)", "",
                   "| dtype | shape | case | group sizes | vs plain kernel | vs fp32 reference | tol | |",
                   "|---|---|---|---|---|---|---|---|"]
-        for dt, shape, case, sizes, err, ref_err, tol, ok in check_rows:
-            ref_text = "-" if ref_err is None else f"{ref_err:.2e}"
-            lines.append(f"| {dt} | {shape} | {case} | {sizes} | {err:.2e} | {ref_text} | {tol:.0e} | "
-                         f"{'ok' if ok else 'FAIL'} |")
+        checks += [f"| {dt} | {shape} | {case} | {sizes} | {err:.2e} | {'-' if r is None else f'{r:.2e}'} | {tol:.0e} "
+                   f"| {'ok' if ok else 'FAIL'} |" for dt, shape, case, sizes, err, r, tol, ok in check_rows]
         with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-
-    if gpu_bench and args.tune:  # first, so that the checks and timings below use what it chose
-        tune(shared_prefix_attention, g, extra_lines)
-    started = time.time()
-    print(f"{'dtype':<9} {'shape':<15} {'case':<40} {'vs plain':>10} {'vs ref':>10} {'tol':>8}")
-    run_checks(check_rows, shared_prefix_attention, triton_attention, reference, args.interpret, g)
-    failed = [r for r in check_rows if not r[-1]]
-    print(f"checks: {len(check_rows) - len(failed)}/{len(check_rows)} pass in {time.time() - started:.0f} s")
-    write_report()
-
-    if gpu_bench:
-        bench_case(bench_rows, shared_prefix_attention, triton_attention, 16, 128, 2048, 256, g)  # the target
-        for size in (2, 4, 8, 32, 64, 128):
-            bench_case(bench_rows, shared_prefix_attention, triton_attention, size, 128, 2048, 256, g)
-        for prefix in (256, 512, 1024, 8192, 32768):
-            bench_case(bench_rows, shared_prefix_attention, triton_attention, 16, 128, prefix, 256, g)
-        bench_case(bench_rows, shared_prefix_attention, triton_attention, 16, 32, 1024, 128, g)
-        try:
-            profile_breakdown(shared_prefix_attention, g, extra_lines)
-        except Exception as exc:  # the profiler's API moves between torch versions; the timings above stand
-            print(f"profile failed: {exc!r}")
-        write_report()
+            f.write("\n".join(header + lines + checks) + "\n")
     print("ALL PASS" if not failed else f"{len(failed)} FAILED")
     sys.exit(1 if failed else 0)
 

@@ -7,9 +7,19 @@ RADIXSERVE_KERNEL_BACKEND sets the default; set_backend() changes it at run time
 
 Triton is imported on first use only: a CPU server never pays for it, and TRITON_INTERPRET is read
 when triton is imported, so importing this package early must not freeze that choice.
+
+OPTIONS are the switches of the GPU path's optimisations, for ablations (configure(), or RADIXSERVE_KERNEL_OPTIONS
+as "name=value,..."): one_launch_decode (decode attention, plain or grouped, as one kernel that merges its own
+splits: kernels/one_launch_decode.py; off: the split + merge kernels of triton_attention.py and
+shared_prefix_attention.py), fused_qkv (Q/K norms, RoPE and the KV store as one kernel: kernels/triton_qkv.py) and
+gate_up_silu_max_rows (the MLP's gate/up projection with SiLU-and-mul fused, up to this many rows; 0: never:
+kernels/triton_mlp.py). The torch twins compute the same functions whatever the options.
 """
 
 import os
+import types
+
+import torch.nn.functional as F
 
 from kernels import reference
 
@@ -17,6 +27,7 @@ BACKENDS = ("auto", "triton", "reference")
 
 _backend = "auto"
 _triton_modules = None
+_fused_ops = None
 
 
 def set_backend(name):
@@ -32,6 +43,28 @@ def get_backend():
 
 set_backend(os.environ.get("RADIXSERVE_KERNEL_BACKEND", "auto"))
 
+OPTIONS = {"one_launch_decode": True, "fused_qkv": True, "gate_up_silu_max_rows": 16}
+
+
+def configure(**options):
+    """Sets OPTIONS (unknown names are an error); returns the previous values of those given."""
+    unknown = set(options) - set(OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown kernel options {sorted(unknown)}; expected some of {sorted(OPTIONS)}")
+    previous = {name: OPTIONS[name] for name in options}
+    OPTIONS.update({name: type(OPTIONS[name])(value) for name, value in options.items()})
+    return previous
+
+
+def _options_from_env(text):
+    pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError(f"RADIXSERVE_KERNEL_OPTIONS={text!r}: expected name=value,...")
+    configure(**{name.strip(): int(value) for name, value in pairs})
+
+
+_options_from_env(os.environ.get("RADIXSERVE_KERNEL_OPTIONS", ""))
+
 
 def _triton():
     global _triton_modules
@@ -41,10 +74,24 @@ def _triton():
     return _triton_modules
 
 
+def _use_reference(tensor):
+    return _backend == "reference" or (_backend == "auto" and not tensor.is_cuda)
+
+
 def _attention_impl(tensor):
-    if _backend == "reference" or (_backend == "auto" and not tensor.is_cuda):
+    if _use_reference(tensor):
         return reference
     return _triton()[0]
+
+
+def _decode_impl(tensor):
+    """Where decode_attention and decode_attention_grouped go: the twin, the one-launch kernel or the split kernels."""
+    if _use_reference(tensor):
+        return reference
+    if OPTIONS["one_launch_decode"]:
+        from kernels import one_launch_decode
+        return one_launch_decode
+    return None
 
 
 def _elementwise_impl(tensor):
@@ -81,13 +128,12 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
     max_seq_len (a python int, >= every seq_len) fixes the number of KV splits; under CUDA graphs pass a
     constant (e.g. the context length) so that the captured grid stays valid.
     """
-    _attention_impl(q).decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
-                                        sm_scale, max_seq_len)
+    (_decode_impl(q) or _attention_impl(q)).decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices,
+                                                             seq_lens, sm_scale, max_seq_len)
 
 
 def _shared_prefix_impl(tensor):
-    if _backend == "reference" or (_backend == "auto" and not tensor.is_cuda):
-        return reference
+    """The split kernels' grouped path (OPTIONS["one_launch_decode"] off)."""
     from kernels import shared_prefix_attention
     return shared_prefix_attention
 
@@ -105,7 +151,7 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     suffixes (max_seq_len), prefixes and group sizes and fix the grids (constants under CUDA graphs;
     pad the group table with empty groups). All index tensors int32. See kernels/shared_prefix_attention.py.
     """
-    _shared_prefix_impl(q).decode_attention_grouped(
+    (_decode_impl(q) or _shared_prefix_impl(q)).decode_attention_grouped(
         q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, group_prefix_lens, group_prefix_rows,
         group_member_start, group_members, req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len,
         max_group_size)
@@ -129,5 +175,41 @@ def silu_and_mul(x):
     return _elementwise_impl(x).silu_and_mul(x)
 
 
-__all__ = ["BACKENDS", "set_backend", "get_backend", "store_kv", "extend_attention", "decode_attention",
-           "decode_attention_grouped", "rmsnorm", "rope", "silu_and_mul"]
+def _fused_impl(tensor):
+    """The module of the Triton kernels that fuse a layer's small ops (a seam for bench/kernel_variant_keys.py)."""
+    global _fused_ops
+    if _use_reference(tensor):
+        return reference
+    if _fused_ops is None:
+        from kernels import triton_mlp, triton_qkv
+        _fused_ops = types.SimpleNamespace(qk_norm_rope_store=triton_qkv.qk_norm_rope_store,
+                                           gate_up_silu=triton_mlp.gate_up_silu)
+    return _fused_ops
+
+
+def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc):
+    """In place: each head of q [T, Hq, D] and k [T, Hkv, D] RMS-normalised with q_weight / k_weight (None: no norm,
+    as in Llama), rotated as rope() does, then k and v stored into their KV slots as store_kv() does. q/k/v may be
+    strided views of a fused QKV output. One kernel on the GPU (OPTIONS["fused_qkv"]), else the four it replaces."""
+    if _use_reference(q) or OPTIONS["fused_qkv"]:
+        return _fused_impl(q).qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache,
+                                                 v_cache, out_cache_loc)
+    if q_weight is not None:
+        d = q.shape[-1]
+        q.copy_(rmsnorm(q.reshape(-1, d), q_weight, eps).view(q.shape))
+        k.copy_(rmsnorm(k.reshape(-1, d), k_weight, eps).view(k.shape))
+    rope(q, k, positions, cos_sin_cache)
+    store_kv(k, v, k_cache, v_cache, out_cache_loc)
+
+
+def gate_up_silu(x, weight):
+    """silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for the merged gate/up weight [2I, H]: the MLP's first half. One
+    kernel on the GPU up to OPTIONS["gate_up_silu_max_rows"] rows, else cuBLAS and silu_and_mul."""
+    if _use_reference(x) or x.numel() <= OPTIONS["gate_up_silu_max_rows"] * x.shape[-1]:
+        return _fused_impl(x).gate_up_silu(x, weight)
+    return silu_and_mul(F.linear(x, weight))
+
+
+__all__ = ["BACKENDS", "OPTIONS", "set_backend", "get_backend", "configure", "store_kv", "extend_attention",
+           "decode_attention", "decode_attention_grouped", "rmsnorm", "rope", "silu_and_mul", "qk_norm_rope_store",
+           "gate_up_silu"]

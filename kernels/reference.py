@@ -112,6 +112,24 @@ def silu_and_mul(x):
     return (F.silu(x[..., :inter].float()) * x[..., inter:].float()).to(x.dtype)
 
 
+def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc):
+    """The unfused sequence itself, in place: per-head RMSNorm of q and k (when given weights), RoPE, the K/V store.
+    The same ops in the same order as the layers ran them before the fusion: on the CPU the result is bit for bit
+    what it was (the norms' outputs are copied back into q/k instead of replacing them, a copy of equal dtype)."""
+    if q_weight is not None:
+        d = q.shape[-1]
+        q.copy_(rmsnorm(q.reshape(-1, d), q_weight, eps).view(q.shape))
+        k.copy_(rmsnorm(k.reshape(-1, d), k_weight, eps).view(k.shape))
+    rope(q, k, positions, cos_sin_cache)
+    store_kv(k, v, k_cache, v_cache, out_cache_loc)
+
+
+def gate_up_silu(x, weight):
+    """silu(x @ gate^T) * (x @ up^T) for weight = [gate; up] stacked by rows: the merged projection, then SiLU-and-mul,
+    exactly as the unfused MLP computed them."""
+    return silu_and_mul(F.linear(x, weight))
+
+
 def _attend_with_lse(q, keys, values, valid, sm_scale):
     """q [B, Hkv, R, D] over keys/values [B, Hkv, L, D] where valid [B, L]: fp32 (out, natural-log lse).
 

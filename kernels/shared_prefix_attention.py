@@ -40,8 +40,8 @@ import triton
 import triton.language as tl
 
 from kernels import triton_attention
-from kernels.triton_common import (LOG2E, MERGE_BLOCK_S, assert_last_dim_contiguous, dot_precision, jit,
-                                   merge_partials_block, online_softmax_block, power_of_two_at_most, sm_count,
+from kernels.triton_common import (LOG2E, MERGE_BLOCK_S, assert_last_dim_contiguous, attend_table_range,
+                                   dot_precision, jit, merge_partials_block, power_of_two_at_most, sm_count,
                                    split_capacity)
 
 
@@ -88,17 +88,10 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pos_ok = pos < end
-        slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(K_cache + slots[:, None] * stride_kn + kv_head * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V_cache + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
-                                             True, DOT_PRECISION)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    m_i, l_i, acc = attend_table_range(q, m_i, l_i, acc, table, start, end, K_cache + kv_head * stride_kh,
+                                       V_cache + kv_head * stride_vh, stride_kn, stride_vn, dims, dim_ok, qk_scale,
+                                       BLOCK_N, EVEN_D, DOT_PRECISION)
 
     if fused != 0:
         group = tl.load(Req_group + req)
@@ -169,17 +162,10 @@ def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_p
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pos_ok = pos < end
-        slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(K_cache + slots[:, None] * stride_kn + kv_head * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V_cache + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
-                                             True, DOT_PRECISION)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    m_i, l_i, acc = attend_table_range(q, m_i, l_i, acc, table, start, end, K_cache + kv_head * stride_kh,
+                                       V_cache + kv_head * stride_vh, stride_kn, stride_vn, dims, dim_ok, qk_scale,
+                                       BLOCK_N, EVEN_D, DOT_PRECISION)
 
     slot = first_split + split
     out_ptr = Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + slot * stride_mos + dims[None, :]

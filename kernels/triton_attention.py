@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (LOG2E, MERGE_BLOCK_S, assert_last_dim_contiguous, dot_precision, jit,
-                                   merge_partials_block, online_softmax_block, power_of_two_at_most, sm_count,
-                                   split_capacity)
+from kernels.triton_common import (LOG2E, MERGE_BLOCK_S, assert_last_dim_contiguous, attend_table_range,
+                                   dot_precision, jit, load_rows, merge_partials_block, online_softmax_block,
+                                   power_of_two_at_most, sm_count, split_capacity)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,18 +104,10 @@ def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pos_ok = pos < end
-        # int64: slot * stride overflows int32 once the pool holds more than ~2M head-rows.
-        slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(K_cache + slots[:, None] * stride_kn + kv_head * stride_kh + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        v = tl.load(V_cache + slots[:, None] * stride_vn + kv_head * stride_vh + dims[None, :],
-                    mask=kv_mask, other=0.0)
-        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
-                                             True, DOT_PRECISION)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    m_i, l_i, acc = attend_table_range(q, m_i, l_i, acc, table, start, end, K_cache + kv_head * stride_kh,
+                                       V_cache + kv_head * stride_vh, stride_kn, stride_vn, dims, dim_ok, qk_scale,
+                                       BLOCK_N, EVEN_D, DOT_PRECISION)
 
     out_ptr = Mid_o + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + dims[None, :]
     tl.store(out_ptr, acc / l_i[:, None], mask=head_ok[:, None] & dim_ok[None, :])
@@ -215,19 +207,6 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
 # ---------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _load_rows(Base, rows, stride_row, dims, row_ok, dim_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
-    """[len(rows), BLOCK_D] from row offsets; masks only what can be out of range (each mask costs selects)."""
-    ptrs = Base + rows[:, None] * stride_row + dims[None, :]
-    if MASK_ROWS:
-        if EVEN_D:
-            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
-        return tl.load(ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
-    if EVEN_D:
-        return tl.load(ptrs)
-    return tl.load(ptrs, mask=dim_ok[None, :], other=0.0)
-
-
 # num_m_blocks (the longest extend of the batch in row blocks) is a runtime int: specialised, its value 1 or a multiple
 # of 16 made a variant of its own, met or not according to the batch's makeup.
 @jit(do_not_specialize=["num_m_blocks"])
@@ -257,7 +236,7 @@ def _extend_kernel(Q, K, V, O, K_cache, V_cache, Req_to_token, Req_pool_indices,
     row_ok = rows < extend_len
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q = _load_rows(Q + token0 * stride_qt + head * stride_qh, rows, stride_qt, dims, row_ok, dim_ok, True, EVEN_D)
+    q = load_rows(Q + token0 * stride_qt + head * stride_qh, rows, stride_qt, dims, row_ok, dim_ok, True, EVEN_D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -267,24 +246,9 @@ def _extend_kernel(Q, K, V, O, K_cache, V_cache, Req_to_token, Req_pool_indices,
     #    all visible to every row. store_kv already put the new tokens' K/V into the cache, so one
     #    gather through the table covers both. Whole blocks go unmasked; the ragged tail gets a mask.
     table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
-    k_base = K_cache + kv_head * stride_kch
-    v_base = V_cache + kv_head * stride_vch
-    visible = prefix_len + first_row
-    whole = (visible // BLOCK_N) * BLOCK_N
-    for n0 in range(0, whole, BLOCK_N):
-        # int64: slot * stride overflows int32 once the pool holds more than ~2M head-rows.
-        slots = tl.load(table + n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
-        k = _load_rows(k_base, slots, stride_kcn, dims, None, dim_ok, False, EVEN_D)
-        v = _load_rows(v_base, slots, stride_vcn, dims, None, dim_ok, False, EVEN_D)
-        m_i, l_i, acc = online_softmax_block(q, k, v, None, m_i, l_i, acc, qk_scale, False, DOT_PRECISION)
-    if whole < visible:
-        pos = whole + tl.arange(0, BLOCK_N)
-        pos_ok = pos < visible
-        slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
-        k = _load_rows(k_base, slots, stride_kcn, dims, pos_ok, dim_ok, True, EVEN_D)
-        v = _load_rows(v_base, slots, stride_vcn, dims, pos_ok, dim_ok, True, EVEN_D)
-        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale,
-                                             True, DOT_PRECISION)
+    m_i, l_i, acc = attend_table_range(q, m_i, l_i, acc, table, 0, prefix_len + first_row,
+                                       K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch, stride_kcn,
+                                       stride_vcn, dims, dim_ok, qk_scale, BLOCK_N, EVEN_D, DOT_PRECISION)
 
     # 2) The diagonal block, read from k/v directly: causal mask, and the request's last block may be ragged.
     k_new = K + token0 * stride_kt + kv_head * stride_kh
@@ -293,8 +257,8 @@ def _extend_kernel(Q, K, V, O, K_cache, V_cache, Req_to_token, Req_pool_indices,
     for n0 in range(first_row, diag_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < extend_len
-        k = _load_rows(k_new, pos, stride_kt, dims, pos_ok, dim_ok, True, EVEN_D)
-        v = _load_rows(v_new, pos, stride_vt, dims, pos_ok, dim_ok, True, EVEN_D)
+        k = load_rows(k_new, pos, stride_kt, dims, pos_ok, dim_ok, True, EVEN_D)
+        v = load_rows(v_new, pos, stride_vt, dims, pos_ok, dim_ok, True, EVEN_D)
         causal = (pos[None, :] <= rows[:, None]) & pos_ok[None, :]
         m_i, l_i, acc = online_softmax_block(q, k, v, causal, m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
 
@@ -336,7 +300,6 @@ def extend_config(dtype, head_dim, device, max_extend_len=None, programs_per_row
             break
         config = EXTEND_CONFIG[narrower]
     return config
-
 
 
 def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,

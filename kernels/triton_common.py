@@ -1,5 +1,6 @@
 """What the Triton attention kernels share: the jit decorator that keeps batch metadata out of the specialization key,
-the online-softmax step, dot precision, the log-sum-exp merge of split partials, and the split-count helpers.
+the online-softmax step and the split-KV loop around it (attend_table_range), dot precision, the log-sum-exp merge of
+split partials, and the split-count helpers.
 
 Triton compiles one binary per specialization key: every constexpr value, whether each int argument is 1 or
 divisible by 16, and whether each pointer is 16-byte aligned. A key first met in the middle of serving is a compile
@@ -65,6 +66,44 @@ def online_softmax_block(q, k, v, valid, m_i, l_i, acc, qk_scale, MASKED: tl.con
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def load_rows(Base, rows, stride_row, dims, row_ok, dim_ok, MASK_ROWS: tl.constexpr, EVEN_D: tl.constexpr):
+    """[len(rows), BLOCK_D] from row offsets; masks only what can be out of range (each mask costs selects)."""
+    ptrs = Base + rows[:, None] * stride_row + dims[None, :]
+    if MASK_ROWS:
+        if EVEN_D:
+            return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+        return tl.load(ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if EVEN_D:
+        return tl.load(ptrs)
+    return tl.load(ptrs, mask=dim_ok[None, :], other=0.0)
+
+
+@triton.jit
+def attend_table_range(q, m_i, l_i, acc, table, start, end, k_base, v_base, stride_kn, stride_vn, dims, dim_ok,
+                       qk_scale, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The split-KV loop of every attention kernel: context positions [start, end) of one table row (a request's, or
+    a shared prefix's), gathered through their KV slots for one KV head (k_base, v_base), folded into the running
+    softmax (m_i, l_i, acc) of the query rows q. Whole blocks go unmasked; only the ragged tail pays for a mask."""
+    offs = tl.arange(0, BLOCK_N)
+    whole_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for n0 in range(start, whole_end, BLOCK_N):
+        # int64: slot * stride overflows int32 once the pool holds more than ~2M head-rows.
+        slots = tl.load(table + n0 + offs).to(tl.int64)
+        k = load_rows(k_base, slots, stride_kn, dims, None, dim_ok, False, EVEN_D)
+        v = load_rows(v_base, slots, stride_vn, dims, None, dim_ok, False, EVEN_D)
+        m_i, l_i, acc = online_softmax_block(q, k, v, None, m_i, l_i, acc, qk_scale, False, DOT_PRECISION)
+    if whole_end < end:
+        pos = whole_end + offs
+        pos_ok = pos < end
+        slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
+        k = load_rows(k_base, slots, stride_kn, dims, pos_ok, dim_ok, True, EVEN_D)
+        v = load_rows(v_base, slots, stride_vn, dims, pos_ok, dim_ok, True, EVEN_D)
+        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale, True,
+                                             DOT_PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit

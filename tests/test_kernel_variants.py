@@ -40,15 +40,16 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
         assert "0 variant keys first launched after the warm-up run" in out, out[-6000:]
         assert children[mode].returncode == 0, out[-6000:]
         assert "run 2 (all at once): 0 new variant keys" in out
-    # Not vacuous: the warm-up ran every attention path of its mode.
-    for name in ("_prefix_kernel(", "_suffix_split_kernel(", "_merge_kernel(", "_extend_kernel(", "_store_kv_kernel("):
-        assert name in outputs["on"], name
-    for name in ("_decode_split_kernel(", "_decode_merge_kernel(", "_extend_kernel(", "_rmsnorm_kernel("):
-        assert name in outputs["off"], name
+    # Not vacuous: the warm-up ran every kernel of the decode step, the grouped decode (num_groups > 0) in mode on.
+    for mode, out in outputs.items():
+        for name in ("_decode_kernel(", "_extend_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(",
+                     "_silu_and_mul_kernel(", "_rmsnorm_kernel("):
+            assert name in out, (mode, name)
 
 
 def test_merge_over_more_splits_than_one_tile_matches_reference():
-    # The merges fold partials 16 splits at a time: 40 plain splits, and 4 suffix + 20 prefix splits, take 3 and 2.
+    # The split kernels' merges fold partials 16 splits at a time: 40 plain splits, and 4 suffix + 20 prefix splits,
+    # take 3 and 2; the one-launch kernel's merge walks every slot of a row.
     code = r"""
 import torch
 from kernels import reference, shared_prefix_attention, triton_attention
@@ -71,6 +72,13 @@ shared_prefix_attention.decode_attention_grouped(
     q, k_cache, v_cache, grouped, table, rows, seq_lens, i32(600), i32(0), i32(0, 2), i32(0, 1), i32(0, 0),
     i32(600, 600), 0.25, 900, 600, 2, num_suffix_splits=4, num_prefix_splits=20)
 torch.testing.assert_close(grouped, expect, rtol=0, atol=1e-5)
+from kernels import one_launch_decode  # 40 splits merged slot by slot in the launch; 4 + up to 16 prefix slices
+for splits, policy in ((40, None), (4, dict(slice_tokens=16, max_slices=16, prefix_last=True))):
+    one = torch.empty_like(q)
+    one_launch_decode.decode_attention_grouped(
+        q, k_cache, v_cache, one, table, rows, seq_lens, i32(600), i32(0), i32(0, 2), i32(0, 1), i32(0, 0),
+        i32(600, 600), 0.25, 900, 600, 2, num_suffix_splits=splits, config={"BLOCK_N": 16}, policy=policy)
+    torch.testing.assert_close(one, expect, rtol=0, atol=1e-5)
 print("MERGE OK")
 """
     child = _interpreted("-c", code)
@@ -102,3 +110,30 @@ def test_keys_follow_triton_rules_and_ignore_batch_metadata():
     assert key(buf[0:], q_view=shifted) != base
     assert "Req_pool_indices:*i32 any-align" in base and "num_splits:i32 free" in base
     assert "stride_rt:i32 %16" in base and "GROUP=2" in base
+
+
+def test_one_launch_decode_key_ignores_batch_makeup():
+    # The one-launch kernel: group tables at any offset, any batch size, group count, split count and prefix program
+    # count select one binary; plain and grouped steps share it.
+    from kernels import one_launch_decode
+
+    kernel = one_launch_decode._decode_kernel
+    buf = torch.zeros(256, dtype=torch.int32)
+    q, cache, part = torch.zeros(4, 4, 16), torch.zeros(32, 2, 16), torch.zeros(4, 4, 17, 16)
+
+    def key(offset=0, batch=4, groups=2, splits=1, programs=8, prefix_last=0, items=(True, True)):
+        tables = [buf[offset + 8 * i:] for i in range(8)]
+        args = (q, cache, cache, q, buf, *tables, part, part, buf, 0.5, 64, 16, 64, 16, 32, 16, 32, 16, 256,
+                1088, 272, 16, 272, 16, batch, groups, splits, programs, prefix_last, 256, 16)
+        return specialization_key(kernel, args, dict(NUM_KV_HEADS=2, GQA=2, HEAD_DIM=16, BLOCK_D=16, BLOCK_H=16,
+                                                     BLOCK_M=16, BLOCK_N=16, BLOCK_G=64, DOT_PRECISION="ieee",
+                                                     PREFIX_ITEMS=items[0], SUFFIX_ITEMS=items[1], num_warps=4,
+                                                     num_stages=1))
+
+    base = key()
+    assert key(offset=3) == key(batch=1, groups=1, splits=7, programs=1) == key(batch=128, splits=32) == base
+    assert key(prefix_last=1, groups=64, programs=264) == base
+    # Plain steps: the suffix-only binary, whatever their size and split count.
+    plain = key(groups=0, programs=0, items=(False, True))
+    assert plain != base and plain == key(batch=1, groups=0, splits=64, programs=0, items=(False, True))
+    assert "Group_members:*i32 any-align" in base and "prefix_programs:i32 free" in base

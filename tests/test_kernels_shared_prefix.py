@@ -100,16 +100,32 @@ def test_triton_kernels_match_plain_decode_in_interpreter():
     print(result.stdout[-4000:], result.stderr[-4000:])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "ALL PASS" in result.stdout
-    assert result.stdout.count(" ok\n") >= 7  # every case ran, not only the first
+    assert result.stdout.count(" ok\n") >= 24  # every case of both paths ran, not only the first
+    assert "one_launch_decode: ragged" in result.stdout and "shared_prefix_attention: ragged" in result.stdout
 
 
 @pytest.mark.gpu
 def test_gpu_grouped_matches_plain_kernel():
-    from kernels import shared_prefix_attention, triton_attention
+    # Both grouped paths; the one-launch kernel also with its prefix programs launched last and bf16 partials, and
+    # as a CUDA graph pads the group table (so that rows are completed by prefix and by suffix items alike).
+    from bench.shared_prefix_batches import graph_padded
+    from kernels import one_launch_decode, shared_prefix_attention, triton_attention
     bench._DEVICE[0] = "cuda"
     rows = []
     g = torch.Generator().manual_seed(11)
+    layout = ([(2048, [256] * 16), (1, [5, 1]), (700, [1, 33, 300])], [1, 2000, 64])
     for dtype in (torch.bfloat16, torch.float32):
-        bench.check_case(rows, shared_prefix_attention, triton_attention, reference, dtype, 32, 8, 128,
-                         [(2048, [256] * 16), (1, [5, 1]), (700, [1, 33, 300])], [1, 2000, 64], "mixed", g)
+        for impl in (shared_prefix_attention, one_launch_decode):
+            bench.check_case(rows, impl, triton_attention, reference, dtype, 32, 8, 128, *layout, "mixed", g)
+        for policy in (dict(prefix_last=True), dict(partials="input", slice_tokens=128)):
+            bench.check_case(rows, one_launch_decode, triton_attention, reference, dtype, 32, 8, 128, *layout,
+                             "mixed", g, dict(policy=policy))
+    b = bench.make_grouped_batch([(1024, [128] * 16)] * 8, [], 32, 8, 128, torch.bfloat16, "cuda", g)
+    for _ in range(3):  # arrival counts back at 0 after every launch
+        out = torch.full(b["q"].shape, float("nan"), device="cuda")
+        bench.run_grouped(one_launch_decode, graph_padded(b, 40960, 64), out)
+        expect = torch.empty_like(out)
+        bench.run_plain(triton_attention, b, expect)
+        rows.append(("bfloat16", "W1 padded", "", "", bench.rel_err(out, expect), None, 2e-2,
+                     bench.rel_err(out, expect) < 2e-2))
     assert rows and all(r[-1] for r in rows), rows

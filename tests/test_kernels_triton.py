@@ -36,7 +36,8 @@ def test_triton_kernels_match_reference_in_interpreter():
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "ALL PASS" in result.stdout
     # Every kernel family was exercised, not just imported.
-    for name in ("extend_attention", "decode_attention", "store_kv", "rmsnorm", "rope", "silu_and_mul", "dispatch"):
+    for name in ("extend_attention", "decode_attention", "store_kv", "rmsnorm", "rope", "silu_and_mul", "dispatch",
+                 "decode_one_launch", "qkv_prep", "gate_up_silu"):
         assert f"\n{name} " in "\n" + result.stdout, name
 
 
@@ -109,3 +110,46 @@ def test_gpu_auto_backend_dispatches_to_triton():
         assert torch.equal(kernels.silu_and_mul(x), reference.silu_and_mul(x))
     finally:
         kernels.set_backend(previous)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_layer_kernels():
+    # Full-size shapes of the kernels that cut a decode layer's launches: Q/K norms + RoPE + KV store, gate/up +
+    # SiLU-and-mul, and the one-launch decode attention (its splits merged in the launch, twice per batch).
+    from kernels import reference, triton_attention
+    check = _check_module()
+    checker = check.Checker(torch, reference, triton_attention, "cuda")
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float32):
+        checker.qkv_prep(dtype, 77, 32, 8, 128, 128, True, g)
+        checker.qkv_prep(dtype, 5, 14, 2, 64, 32, False, g)
+        for rows in (1, 16, 33):
+            checker.gate_up(dtype, rows, 4096, 12288, g)
+        checker.decode_one_launch(dtype, 32, 8, 128, [1, 4099, 700, 5], "mixed, automatic splits", g)
+        checker.decode_one_launch(dtype, 16, 8, 128, [1, 4099, 700, 5], "forced splits", g, num_kv_splits=64)
+    _assert_all_ok(checker)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_layer_launches_at_most_8_kernels():
+    # The issue-21 target: one decoder layer of a batch-1 decode step (Qwen3-0.6B shape, two layers, random weights)
+    # launches at most 8 device kernels with the fusions on and cuBLAS split-K off; and more with them off, so that
+    # the count measures the fusions.
+    import kernels
+    from bench import kernels_per_layer as kpl
+    from radixserve.layers.linear import set_gemm_split_k
+    model, cfg = kpl.build_model("qwen3-0.6b", num_layers=2)
+    ctx, _, _ = kpl.decode_step(model, cfg, 1, 0, 300)
+    previous = dict(kernels.OPTIONS)
+    try:
+        set_gemm_split_k(False)
+        fused = kpl.layer_kernels(model, cfg, ctx, 1)
+        kernels.configure(**kpl.UNFUSED)
+        set_gemm_split_k(True)
+        unfused = kpl.layer_kernels(model, cfg, ctx, 1)
+    finally:
+        kernels.configure(**previous)
+        set_gemm_split_k(True)
+    print("fused:", fused, "unfused:", unfused, sep="\n")
+    assert len(fused) <= 8, fused
+    assert len(unfused) > len(fused)

@@ -1,13 +1,11 @@
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 import kernels
 
 
-class SiluAndMul(nn.Module):
-    """silu(gate) * up over the two halves of the merged gate_up projection."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.silu_and_mul(x)
+def gate_up_silu(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the merged gate/up projection (its weight without bias, [gate; up] by rows), the
+    SiLU-and-mul fused into the projection where that pays (kernels.gate_up_silu)."""
+    return kernels.gate_up_silu(x, gate_up_weight)

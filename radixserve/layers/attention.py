@@ -1,6 +1,6 @@
 """Paged attention over the token-granular KV cache: stores the new K/V into their slots, then attends through
 req_to_token: the extend kernel for prompt chunks, the split-KV decode kernel for the decodes of the batch (its
-grouped form when decodes share a prefix: kernels/shared_prefix_attention.py)."""
+grouped form when decodes share a prefix: kernels/one_launch_decode.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +27,14 @@ class Attention(nn.Module):
     def store(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """The new tokens' K/V into their slots (k/v: [T, Hkv, D])."""
         kernels.store_kv(k, v, self.k_cache, self.v_cache, get_forward_context().out_cache_loc)
+
+    def store_rotated(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                      eps: float) -> None:
+        """store() after the per-head RMSNorm of Q and K (weights q_norm / k_norm, None for none) and RoPE
+        (cos_sin_cache of a layers.rotary.RotaryEmbedding), all in place on q/k, as one kernel."""
+        kernels.qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_norm, k_norm, eps, self.k_cache, self.v_cache,
+                                   get_forward_context().out_cache_loc)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None):
         """Attention of the new tokens' queries (q: [T, Hq, D]) over their cached context and the new tokens (k/v:

@@ -11,6 +11,29 @@ from radixserve.distributed import all_reduce, get_tp_rank, get_tp_size
 from radixserve.loader import copy_whole_tensor
 
 
+_BLAS_DEFAULTS: dict = {}
+
+
+def set_gemm_split_k(allowed: bool) -> None:
+    """Whether cuBLAS may split a 16-bit GEMM's inner dimension and reduce the parts in a second kernel. At decode
+    batches it does for the QKV and down projections: two more kernels per layer (and their gaps). Disallowing it
+    needs cuBLASLt (torch >= 2.10's (allow_reduced_precision, allow_splitk) setting); it is process-wide, so the
+    worker sets it once at start. True restores torch's settings as they were."""
+    matmul = torch.backends.cuda.matmul
+    if not _BLAS_DEFAULTS:
+        _BLAS_DEFAULTS.update(library=torch.backends.cuda.preferred_blas_library(),
+                              bf16=matmul.allow_bf16_reduced_precision_reduction,
+                              fp16=matmul.allow_fp16_reduced_precision_reduction)
+    if allowed:
+        torch.backends.cuda.preferred_blas_library(_BLAS_DEFAULTS["library"])
+        matmul.allow_bf16_reduced_precision_reduction = _BLAS_DEFAULTS["bf16"]
+        matmul.allow_fp16_reduced_precision_reduction = _BLAS_DEFAULTS["fp16"]
+        return
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    matmul.allow_bf16_reduced_precision_reduction = (False, False)
+    matmul.allow_fp16_reduced_precision_reduction = (False, False)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by output rows: each rank computes a slice of y, no communication."""
 

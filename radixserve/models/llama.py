@@ -7,7 +7,7 @@ from torch import nn
 
 from radixserve.config import ModelConfig
 from radixserve.distributed import get_tp_size
-from radixserve.layers.activation import SiluAndMul
+from radixserve.layers.activation import gate_up_silu
 from radixserve.layers.attention import Attention
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -34,16 +34,15 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
     def query(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Q/K/V of the new tokens ([T, H, D] each), K/V stored into their KV slots."""
+        """Q/K/V of the new tokens ([T, H, D] each, views of one projection output): Q/K normalised per head (Qwen3)
+        and rotated in place, K/V stored into their KV slots, by one kernel (kernels.qk_norm_rope_store)."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        self.rotary_emb(positions, q, k)
-        self.attn.store(k, v)
+        q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        self.attn.store_rotated(positions, q, k, v, self.rotary_emb.cos_sin_cache, q_norm, k_norm, eps)
         return q, k, v
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -60,10 +59,10 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"unsupported activation {config.hidden_act!r} (only silu)")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        # The merged projection with SiLU-and-mul in its epilogue (one kernel at decode-sized batches).
+        return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight))
 
 
 class LlamaDecoderLayer(nn.Module):

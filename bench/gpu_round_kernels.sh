@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One GPU round for issue 21's kernels, from the repository root of the device machine (an H100: python 3.12,
+# torch 2.11, triton 3.6), about 6 minutes, outputs under $OUT:
+#   1. correctness: the new kernels (one-launch decode attention, Q/K norms + RoPE + KV store, gate/up + SiLU) at
+#      model sizes against their torch twins, both grouped decode paths against the plain kernel, and the `gpu`
+#      tests of the kernel test files when pytest is there (among them: at most 8 kernels per decode layer);
+#   2. shared-prefix attention: each kernel's share of the copy bandwidth for the bytes it must read, old (split)
+#      and new (one launch, two launches) paths, W1 and gsp geometries, Qwen3-8B and -0.6B shapes, after a sweep of
+#      the new kernel's blocks and policy;
+#   3. kernels per decode layer and decode-step times (Qwen3-8B and -0.6B shapes, random weights) with each fusion
+#      and cuBLAS split-K on and off, and the fused steps' logits against the unfused step's;
+#   4. the gate/up + SiLU kernel against cuBLAS + SiLU-and-mul by row count, with a tile sweep.
+# Each step gets at most its cap, and no more than what is left of BUDGET seconds. radixserve's layers import msgspec
+# (radixserve/forward_context.py -> protocol.py): .whl/msgspec-*.whl is installed when it is missing.
+#
+#     bash bench/gpu_round_kernels.sh
+set -u
+OUT=${OUT:-/tmp/gpu-round-kernels}
+BUDGET=${BUDGET:-350}
+mkdir -p "$OUT"
+START=$(date +%s)
+PY=python3
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! $PY -c "import msgspec" 2>/dev/null && ls .whl/msgspec-*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/msgspec-*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+SUMMARY="$OUT/summary.txt"
+{
+  echo "device: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null)"
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  $PY -c "import msgspec" 2>/dev/null && echo "msgspec: yes" || echo "msgspec: MISSING (steps 1c, 3 fail)"
+  $PY -c "import pytest" 2>/dev/null && echo "pytest: yes" || echo "pytest: no (step 1 runs the bench checks only)"
+} | tee "$SUMMARY"
+FAILED=0
+
+step() {  # step NAME CAP COMMAND...: COMMAND's output to $OUT/NAME.log, at most CAP seconds (or the budget left)
+  local name=$1 cap=$2
+  shift 2
+  local left=$((BUDGET - ($(date +%s) - START)))
+  local limit=$((cap < left ? cap : left))
+  if [ "$limit" -lt 20 ]; then
+    echo "$name: skipped, budget spent" | tee -a "$SUMMARY"
+    return
+  fi
+  echo "== $name (at most ${limit}s)"
+  local t0
+  t0=$(date +%s)
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  [ "$rc" -ne 0 ] && FAILED=1
+  echo "$name: exit $rc after $(($(date +%s) - t0))s$([ "$rc" -eq 124 ] && echo ' (cut at its limit)')" | tee -a "$SUMMARY"
+}
+
+step 1-correctness 120 bash -c '
+  python3 -m bench.check_kernels_gpu --only-fused || rc=1
+  python3 bench/shared_prefix_kernel_bench.py --check-only --quick-checks || rc=1
+  if python3 -c "import pytest" 2>/dev/null; then
+    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_triton.py tests/test_kernels_shared_prefix.py \
+      -k "at_most_8 or grouped" || rc=1
+  fi
+  exit ${rc:-0}'
+step 2-shared-prefix 150 $PY bench/shared_prefix_kernel_bench.py --no-checks --sweep \
+  --out "$OUT/shared-prefix-bandwidth.md"
+step 3-kernels-per-layer 100 $PY -m bench.kernels_per_layer --batches bs1 W1 --out "$OUT/kernels-per-layer.md"
+step 4-gate-up 60 $PY -m bench.gate_up_silu_bench --sweep
+
+# The reply carries the end of the output: the short tables last.
+echo
+echo "==== failures and cut steps"
+grep -h "FAIL\|Error\|Traceback" "$OUT"/1-correctness.log | head -20
+echo "==== gate/up + SiLU (step 4)"
+grep -v "sweep" "$OUT/4-gate-up.log" 2>/dev/null | tail -16
+echo "==== sweep (step 2)"
+grep "sweep" "$OUT/2-shared-prefix.log" 2>/dev/null | tail -22
+echo "==== kernels per layer (step 3)"
+grep "kernels/layer" "$OUT/3-kernels-per-layer.log" 2>/dev/null
+echo "==== shared-prefix bandwidth (step 2)"
+grep -v "^sweep" "$OUT/2-shared-prefix.log" 2>/dev/null | tail -26
+echo "==== summary"
+cat "$SUMMARY"
+exit $FAILED
