@@ -106,6 +106,12 @@ class ServerArgs:
                                                     "pieces; radixserve/worker/prefill_cuda_graph.py).")
     prefill_cuda_graph_max_tokens: int = _flag(2048, "Largest step (new tokens) that replays piecewise prefill CUDA "
                                                      "graphs; larger steps run eagerly.")
+    disable_one_launch_decode: bool = _flag(False, "Shared-prefix decode attention as separate prefix, suffix and "
+                                                   "merge kernels instead of one launch (kernels/one_launch_decode.py).")
+    disable_fused_layer_kernels: bool = _flag(False, "Q/K norms, RoPE and the KV store as four kernels instead of one, "
+                                                     "and the gate/up projection apart from SiLU-and-mul.")
+    gate_up_silu_max_rows: int = _flag(16, "Largest batch (rows) whose gate/up projection runs as one kernel with "
+                                           "SiLU-and-mul in its epilogue; larger ones use cuBLAS and a SiLU kernel.")
     # On by default since the H100 measured it faster end to end (W1 1.09x on Qwen3-8B and 1.24x on 0.6B, nothing
     # lost on unshared prompts) and as exact as the plain path on real weights (bench/results/h100-2026-11-23/).
     disable_shared_prefix_attention: bool = _flag(False, "Decodes that share a cached prefix read its KV each on its "

@@ -81,6 +81,9 @@ class ModelRunner:
         self.dtype = server_args.torch_dtype
         self.context_len = self.model_config.context_len(server_args.context_length)
         kernels.set_backend(server_args.kernel_backend)
+        fused = not server_args.disable_fused_layer_kernels
+        kernels.configure(one_launch_decode=not server_args.disable_one_launch_decode, fused_qkv=fused,
+                          gate_up_silu_max_rows=server_args.gate_up_silu_max_rows if fused else 0)
 
         self.model = self._load_model(Path(model_dir))
         self.num_kv_slots = self._kv_slots_to_allocate()
