@@ -97,10 +97,35 @@ def check_node_links(args: ServerArgs) -> None:
         check_port_free(ports.host, port, "--dist-init-addr port (node 0 uses it and the next 3 + tp-size ports)")
 
 
+def host_memory_available() -> int | None:
+    """Bytes of memory the kernel says can be allocated without swapping (Linux MemAvailable), or None."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_host_memory(hicache_gb: float, ranks: int, available: int | None = None) -> None:
+    """The host KV pool (--hicache-size GB per rank, pinned on CUDA) must fit in the memory available now: pinning
+    more than there is does not fail cleanly later, it stalls the machine or gets a worker killed."""
+    available = host_memory_available() if available is None else available
+    if hicache_gb <= 0 or available is None:
+        return
+    need = hicache_gb * 1e9 * ranks
+    if need > available:
+        per_rank = f" ({ranks} ranks on this node)" if ranks > 1 else ""
+        raise LaunchError(f"--hicache-size {hicache_gb:g} GB of host KV per rank{per_rank} needs {need / 1e9:.1f} GB "
+                          f"of host memory, but this machine has {available / 1e9:.1f} GB available")
+
+
 def check_before_launch(args: ServerArgs, model_dir: Path, serve_http: bool) -> None:
     check_model_dir(model_dir, args.load_format, args.tp_size)
     per_node = args.tp_size // args.nnodes
     check_devices(args.device, per_node, args.base_gpu_id + (args.dp_size - 1) * per_node)
+    check_host_memory(args.hicache_size, per_node * args.dp_size)
     if args.nnodes > 1:
         check_node_links(args)
     if serve_http:

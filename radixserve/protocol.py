@@ -53,6 +53,27 @@ class PrefixGroups(msgspec.Struct, array_like=True):
     req_suffix_start: bytes  # int32 [B]
 
 
+class LongRequest(msgspec.Struct, array_like=True):
+    """A request served by layer-wise offload, sent with its first long step: host_slots[p] is the host KV slot of
+    position p, for every position it may ever hold (prompt + max_tokens)."""
+    req_pool_idx: int
+    host_slots: bytes  # int32
+
+
+class LongWork(msgspec.Struct, array_like=True):
+    """The part of a job of layer-wise offload (--enable-layerwise-offload; scheduler_service/long_context.py,
+    radixserve/worker/layerwise_offload.py) that one step runs: units [first_unit, first_unit + num_units). A
+    prefill job is one request's new prompt tokens, unit = (layer, chunk of chunk_size tokens), layer-major; a
+    decode job is one token for each request of the batch, unit = a layer. The batch's arrays describe the whole
+    job (its input ids only in its first step) and it samples in its last step only."""
+    job: int
+    prefill: bool
+    first_unit: int
+    num_units: int
+    chunk_size: int = 0
+    new_requests: list[LongRequest] = []
+
+
 class ForwardBatch(msgspec.Struct, tag=True):
     """One step's batch. Per request: its row, how many tokens are already cached, its new tokens and their slots."""
     step: int
@@ -74,6 +95,7 @@ class ForwardBatch(msgspec.Struct, tag=True):
     host_save_host_slots: bytes = b""
     host_load_host_slots: bytes = b""
     host_load_device_slots: bytes = b""
+    long: LongWork | None = None  # a step of layer-wise offload instead of the device KV pool (LongWork says how)
 
 
 def future_token_ring_size(max_running_requests: int) -> int:

@@ -60,7 +60,8 @@ def check_context_length(prompt_len: int, max_new_tokens: int, context_len: int)
 def check_kv_pool(prompt_len: int, max_new_tokens: int, kv_pool_tokens: int) -> None:
     """One sequence holds one KV slot per token; more tokens than the pool has slots can never be held at once."""
     if prompt_len + max_new_tokens > kv_pool_tokens:
-        raise InvalidRequest(f"This server's KV cache holds at most {kv_pool_tokens} tokens per sequence. However, "
+        raise InvalidRequest(f"This server's KV cache holds at most {kv_pool_tokens} tokens per sequence (its KV pool, "
+                             f"or with --enable-layerwise-offload its host KV pool of --hicache-size). However, "
                              f"you requested {prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, "
                              f"{max_new_tokens} in the completion). Please reduce the length of the prompt or "
                              f"max_tokens.", "max_tokens")

@@ -11,6 +11,10 @@ outputs never reach the front end.
 --max-pinned-tokens bounds the tokens pins hold (each cached token counted once, however many pins share it): a pin
 that would go past it is undone and answered with a 409. Without the flag the bound is half the KV pool, so that
 pins never take the room running requests need; 0 turns pinning off.
+
+With --enable-layerwise-offload a prefix longer than the device pool is computed by the long path and lives in the
+host tier's tree (scheduler_service/long_context.py): it is pinned there, against a bound of its own (half the host
+pool unless --max-pinned-tokens is given), and never evicted from host memory while pinned.
 """
 
 from __future__ import annotations
@@ -57,6 +61,11 @@ class CacheControl:
         self.tree = scheduler.tree
         total = scheduler.slot_allocator.num_total
         self.max_pinned_tokens = total // 2 if max_pinned_tokens is None else max_pinned_tokens
+        # Layer-wise offload: documents longer than the device pool are pinned in the host tier's tree.
+        self.host_tree = scheduler.host_tier.tree if scheduler.long is not None else None
+        if self.host_tree is not None:
+            host = scheduler.host_tier.capacity_tokens
+            self.max_host_pinned_tokens = host // 2 if max_pinned_tokens is None else max_pinned_tokens
         self._pending: dict[str, _PendingPin] = {}  # internal rid -> the pin to make when it finishes
 
     # ------------------------------------------------------------------ requests
@@ -65,12 +74,14 @@ class CacheControl:
         if isinstance(message, PinPrefixRequest):
             return self._pin(message)
         if isinstance(message, UnpinPrefixRequest):
-            pins = {p.id: p for p in self.tree.list_pins()}
-            if message.pin_id in pins and self.tree.unpin(message.pin_id):
-                return self._reply(message.request_id, 200, pins=[pin_entry(pins[message.pin_id])])
+            for tree in self._trees():
+                pins = {p.id: p for p in tree.list_pins()}
+                if message.pin_id in pins and tree.unpin(message.pin_id):
+                    return self._reply(message.request_id, 200, pins=[pin_entry(pins[message.pin_id])])
             return self._reply(message.request_id, 404, f"no pin with id {message.pin_id!r}")
         if isinstance(message, ListPinsRequest):
-            return self._reply(message.request_id, 200, pins=[pin_entry(p) for p in self.tree.list_pins()])
+            return self._reply(message.request_id, 200,
+                               pins=[pin_entry(p) for tree in self._trees() for p in tree.list_pins()])
         raise TypeError(f"not a pin message: {type(message).__name__}")
 
     def _pin(self, message: PinPrefixRequest) -> PinsReply | None:
@@ -80,8 +91,9 @@ class CacheControl:
         if self.tree.disable:
             return self._reply(message.request_id, 400, "the radix cache is off (--disable-radix-cache): "
                                                         "there is nothing to pin")
-        if len(tokens) > self.max_pinned_tokens:
-            return self._reply(message.request_id, 409, self._over_bound(len(tokens)))
+        bound = self._where(tokens)[1]
+        if len(tokens) > bound:
+            return self._reply(message.request_id, 409, self._over_bound(len(tokens), bound=bound))
         pending = _PendingPin(message.request_id, tokens, message.cache_salt, message.ttl_seconds)
         reply = self._pin_cached(pending)  # None unless the whole prompt is cached already
         return reply if reply is not None else self._compute(pending)
@@ -105,27 +117,39 @@ class CacheControl:
 
     def _pin_cached(self, pending: _PendingPin) -> PinsReply | None:
         """Pin tokens the tree holds; None if it no longer holds them all."""
+        tree, bound = self._where(pending.tokens)
         try:
-            info = self.tree.pin(pending.tokens, namespace=pending.cache_salt, ttl_seconds=pending.ttl_seconds)
+            info = tree.pin(pending.tokens, namespace=pending.cache_salt, ttl_seconds=pending.ttl_seconds)
         except ValueError:
             return None
-        if self.tree.pinned_size > self.max_pinned_tokens:
-            pinned = self.tree.pinned_size
-            self.tree.unpin(info.id)
-            return self._reply(pending.request_id, 409, self._over_bound(len(pending.tokens), pinned))
+        if tree.pinned_size > bound:
+            pinned = tree.pinned_size
+            tree.unpin(info.id)
+            return self._reply(pending.request_id, 409, self._over_bound(len(pending.tokens), pinned, bound))
         logger.info("pinned %d tokens as %s (cache_salt=%r, ttl=%s)", len(pending.tokens), info.id,
                     pending.cache_salt, pending.ttl_seconds)
         return self._reply(pending.request_id, 200, pins=[pin_entry(info)])
 
-    def _over_bound(self, num_tokens: int, pinned_after: int | None = None) -> str:
+    def _where(self, tokens) -> tuple:
+        """The tree that holds (or will hold) this prefix and its bound on pinned tokens: the host tier's for one the
+        layer-wise offload path computes (its internal request, one token more, exceeds the device pool)."""
+        if self.host_tree is not None and len(tokens) + 1 > self.scheduler.slot_allocator.num_total:
+            return self.host_tree, self.max_host_pinned_tokens
+        return self.tree, self.max_pinned_tokens
+
+    def _trees(self) -> list:
+        return [self.tree] if self.host_tree is None else [self.tree, self.host_tree]
+
+    def _over_bound(self, num_tokens: int, pinned_after: int | None = None, bound: int | None = None) -> str:
         if self.max_pinned_tokens == 0:
             return "pinning is turned off on this server (--max-pinned-tokens 0)"
         after = f" would make {pinned_after} tokens pinned" if pinned_after is not None else ""
+        limit = self.max_pinned_tokens if bound is None else bound
         return (f"pinning these {num_tokens} tokens{after}, more than this server's limit of "
-                f"{self.max_pinned_tokens} pinned tokens (--max-pinned-tokens); unpin something first")
+                f"{limit} pinned tokens (--max-pinned-tokens); unpin something first")
 
     def _reply(self, request_id: str, status: int, message: str = "", pins: list[PinEntry] = ()) -> PinsReply:
-        return PinsReply(request_id, status, message, list(pins), int(self.tree.pinned_size))
+        return PinsReply(request_id, status, message, list(pins), sum(int(t.pinned_size) for t in self._trees()))
 
     # ------------------------------------------------------------------ the scheduler loop
     def take_outputs(self, outputs: list[StepOutput]) -> tuple[list[StepOutput], list[PinsReply]]:
@@ -157,7 +181,8 @@ class CacheControl:
 
     def expire(self, now: float | None = None) -> list[str]:
         """Drop pins whose TTL has passed; cheap enough to call on every loop iteration."""
-        expired = self.tree.expire_pins(time.time() if now is None else now)  # a look at a heap's top when none is due
+        now = time.time() if now is None else now
+        expired = [p for tree in self._trees() for p in tree.expire_pins(now)]  # a look at a heap's top when none due
         if expired:
             logger.info("pins expired: %s", ", ".join(expired))
         return expired

@@ -47,7 +47,7 @@ class SchedulerProcess:
         ready = self._wait_for_workers()
         model_config = ModelConfig.from_dir(model_dir)
         self.scheduler = Scheduler(args, ready.num_kv_slots, ready.context_len, model_config.eos_token_ids, tokenizer,
-                                   num_host_slots=ready.num_host_slots)
+                                   num_host_slots=ready.num_host_slots, num_layers=model_config.num_layers)
         # Overlapped unless --disable-overlap-schedule: step N+1 goes out before step N's tokens are applied.
         self.loop = make_step_loop(self.scheduler, WorkerProcessesExecutor(self.to_workers, self.from_workers))
         self.cache_control = CacheControl(self.scheduler, args.max_pinned_tokens)  # pinned prefixes
@@ -124,14 +124,15 @@ class SchedulerProcess:
         return {"num_running": s.num_running, "num_waiting": len(s.waiting), "kv_invariant_ok": invariant_ok,
                 **{f"kv_{k}": v for k, v in usage.items()}, "context_len": s.context_len,
                 # The most tokens one sequence can ever hold: the front ends refuse larger requests with a 400.
-                "kv_pool_tokens": s.slot_allocator.num_total,
+                "kv_pool_tokens": s.max_sequence_tokens(),
                 "steps": s.stats.steps, "prefill_tokens_computed": s.stats.prefill_tokens_computed,
                 "cached_prompt_tokens": s.stats.cached_prompt_tokens, "retractions": s.stats.retractions,
                 "grouped_decodes": s.stats.grouped_decodes,
                 "shared_prefix_tokens_saved": s.stats.shared_prefix_tokens_saved,
                 "tp_size": self.args.tp_size, "chunked_prefill_size": min(s.chunked_prefill_size, 1 << 31),
                 "radix_cache": not self.args.disable_radix_cache, "schedule_policy": self.args.schedule_policy,
-                **cache_numbers(s)}  # the cache metrics of /metrics (cache_stats.py)
+                **cache_numbers(s),  # the cache metrics of /metrics (cache_stats.py)
+                **(s.long.info() if s.long is not None else {})}  # layer-wise offload (long_context.py)
 
     def _send_pin_replies(self, replies: list[PinsReply | None]) -> None:
         for reply in replies:

@@ -37,6 +37,9 @@ class Req:
         self.needs_worker_registration = True
         # Overlapped loop: the token in flight is this request's last (Scheduler.set_aside_finishing).
         self.finishing = False
+        # Longer than the device KV pool: served by layer-wise offload (long_context.py), its KV in host memory.
+        self.offloaded = False
+        self.host_kv = None  # long_context.HostKV while it runs
         # The tenant's namespace in the radix tree: its prefixes are matched and inserted there only (None: shared).
         self.cache_salt: str | None = None
         # Admission order under --enable-priority-scheduling: higher first, within the aging bound (policy.py).

@@ -29,6 +29,7 @@ from radixserve.config import ServerArgs
 from radixserve.protocol import ForwardBatch, PrefixGroups, ReusedSlots, WorkerRequest, pack_i32
 from scheduler_service.admission import AdmissionMixin
 from scheduler_service.decode_batch import DecodeBatch, DecodeStep
+from scheduler_service.long_context import LongContext
 from scheduler_service.memory_pressure import MemoryPressureMixin
 from scheduler_service.prefix_groups import DecodeGrouper, group_tables
 from scheduler_service.request import Req, ReqStatus
@@ -79,9 +80,9 @@ def _shared_once(reused: list[ReusedSlots]) -> list[ReusedSlots]:
 
 class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
     def __init__(self, args: ServerArgs, num_kv_slots: int, context_len: int, eos_token_ids: list[int],
-                 tokenizer=None, num_host_slots: int = 0):
+                 tokenizer=None, num_host_slots: int = 0, num_layers: int = 0):
         """tokenizer: a Hugging Face tokenizer, used only to match stop strings (requests with stop strings are
-        refused without one)."""
+        refused without one). num_layers: the model's, for layer-wise offload's jobs."""
         self.args = args
         self.context_len = context_len
         self.eos_token_ids = set(eos_token_ids)
@@ -91,8 +92,11 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         self.tree = RadixCache(self.slot_allocator, disable=args.disable_radix_cache,
                                eviction_policy=args.radix_eviction_policy)
         # The host KV tier (--hicache-size; num_host_slots from the workers): evicted prefixes kept in host memory.
-        self.host_tier = HostTier(self.tree, self.slot_allocator, num_host_slots) \
-            if num_host_slots and not args.disable_radix_cache else None
+        # Layer-wise offload keeps its long requests' KV there even without a radix cache (nothing stays then).
+        self.host_tier = HostTier(self.tree, self.slot_allocator, num_host_slots, disable=args.disable_radix_cache) \
+            if num_host_slots and (not args.disable_radix_cache or args.enable_layerwise_offload) else None
+        # Requests longer than the device pool (--enable-layerwise-offload): their own queue and steps.
+        self.long = LongContext(self, num_layers) if args.enable_layerwise_offload and self.host_tier else None
         # -1 (no chunking) becomes a budget no step reaches; config.py resolves the device default.
         self.chunked_prefill_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else NO_CHUNKING
         self.waiting: deque[Req] = deque()
@@ -126,13 +130,16 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
             raise ValueError(f"This model's maximum context length is {self.context_len} tokens. However, you "
                              f"requested {total} tokens ({len(req.prompt_ids)} in the prompt, "
                              f"{req.params.max_new_tokens} for the completion).")
+        if self.long is not None and self.long.takes(req):
+            self.long.check(req)
+            req.offloaded = True
         if any(req.params.stop):
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer, and this scheduler was started without one")
             req.stop_matcher = StopStringMatcher(self.tokenizer, req.params.stop, req.params.skip_special_tokens)
         req.arrival_step = self.step_count
         self.requests[req.rid] = req
-        self.waiting.append(req)
+        (self.long.waiting if req.offloaded else self.waiting).append(req)
 
     def abort(self, rid: str) -> bool:
         """Stop a request in any state and free its KV without inserting it. False if unknown or finished."""
@@ -140,7 +147,7 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         if req is None:
             return False
         if req.status is ReqStatus.WAITING:
-            self.waiting.remove(req)
+            (self.long.waiting if req.offloaded else self.waiting).remove(req)
         else:
             self._stop_running(req)
             self._release(req, insert=False)
@@ -149,21 +156,30 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finishing or self._outputs)
+        return bool(self.waiting or self.running or self.finishing or self._outputs
+                    or (self.long is not None and self.long.has_work()))
 
     @property
     def num_running(self) -> int:
-        return len(self.running) + len(self.finishing)
+        return len(self.running) + len(self.finishing) + (len(self.long.running) if self.long is not None else 0)
+
+    def max_sequence_tokens(self) -> int:
+        """The most tokens one sequence can hold here: the device pool's, or what layer-wise offload serves."""
+        return self.long.max_tokens() if self.long is not None else self.slot_allocator.num_total
 
     def set_aside_finishing(self, reqs: list[Req]) -> None:
         """Overlapped loop: these requests' tokens in the step just launched end them by length whatever they are,
         so no later step computes for them (a max_tokens=1 request takes one forward, not two)."""
+        if self.long is not None:
+            reqs = self.long.set_aside(reqs)
         for req in reqs:
             req.finishing = True
         self.finishing += reqs
         self.running = [r for r in self.running if not r.finishing]
 
     def _stop_running(self, req: Req) -> None:
+        if req.offloaded:
+            return self.long.stop(req)
         (self.finishing if req.finishing else self.running).remove(req)
         req.finishing = False
 
@@ -176,11 +192,11 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
 
     def flush_cache(self, keep_pins: bool = True) -> bool:
         """Drop every cached prefix but the pinned ones (those too with keep_pins=False); only when idle."""
-        if self.running or self.finishing or self.waiting:
+        if self.running or self.finishing or self.waiting or (self.long is not None and self.long.has_work()):
             return False
         self.tree.reset(keep_pins=keep_pins)
         if self.host_tier is not None:
-            self.host_tier.reset()
+            self.host_tier.reset(keep_pins=keep_pins)
         return True
 
     # ------------------------------------------------------------------ invariant
@@ -210,7 +226,8 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
                 raise KVInvariantError(f"radix tree bookkeeping: {e}") from e
         if self.host_tier is not None:  # host slots are a pool of their own: free + held on host == capacity
             try:
-                self.host_tier.check_invariant(walk_tree)
+                long = self.long is not None and bool(self.long.running)
+                self.host_tier.check_invariant(walk_tree, self.long.owned_host_slots() if long else 0, long)
             except AssertionError as e:
                 raise KVInvariantError(f"host KV tier: {e}") from e
 
@@ -218,6 +235,10 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
     def schedule(self) -> ScheduledBatch | None:
         """The next batch, or None when nothing can run this step (then room is made or hopeless requests fail)."""
         self.step_count += 1
+        if self.long is not None and self.long.turn(bool(self.running or self.waiting)):
+            scheduled = self.long.schedule()  # a step of a request longer than the pool (long_context.py)
+            if scheduled is not None:
+                return scheduled
         reused = [r for req, r in self._pending_reused_slots if req.status is ReqStatus.RUNNING]
         self._pending_reused_slots = []
         if not reused and self._decodes_continue():
@@ -353,6 +374,8 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
     # ------------------------------------------------------------------ endings
     def _release(self, req: Req, insert: bool) -> None:
         """Give back the request's row and KV: inserted into the tree (finished) or freed (aborted, retracted)."""
+        if req.offloaded:
+            return self.long.release(req, insert)
         if insert and not self.tree.disable:
             # The last sampled token has no KV yet; everything before it does.
             fill = req.fill_ids()[:req.kv_len]

@@ -96,9 +96,9 @@ class Harness:
     def _host_kv(self, slots) -> np.ndarray:
         if self.kv.k_buffers[0].is_cuda:
             torch.cuda.synchronize()  # the device -> host copies are asynchronous there
-        rows = self.host_kv.buffer[torch.from_numpy(slots.astype(np.int64))]  # [n, layers, 2, heads, dim]
-        np.testing.assert_array_equal(rows[:, 1, 0, 0, 0].numpy() - 10, -rows[:, 0, 1, 0, 1].numpy())
-        return rows[:, 0, 0, 0, 0].numpy()
+        rows = self.host_kv.buffer[:, :, torch.from_numpy(slots.astype(np.int64))]  # [layers, 2, n, heads, dim]
+        np.testing.assert_array_equal(rows[1, 0, :, 0, 0].numpy() - 10, -rows[0, 1, :, 0, 1].numpy())
+        return rows[0, 0, :, 0, 0].numpy()
 
 
 def test_shared_prompt_is_saved_once_and_a_hit_comes_back_by_copy():

@@ -50,11 +50,12 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 
 class HostTier:
     def __init__(self, device_tree: RadixCache, device_allocator: TokenSlotAllocator, capacity_tokens: int,
-                 min_load_tokens: int = MIN_LOAD_TOKENS):
+                 min_load_tokens: int = MIN_LOAD_TOKENS, disable: bool = False):
         self.device_tree = device_tree
         self.device_allocator = device_allocator
         self.allocator = TokenSlotAllocator(capacity_tokens)
-        self.tree = RadixCache(self.allocator)  # the host copy of evicted prefixes, LRU
+        # The host copy of evicted prefixes, LRU (disabled: a pool that keeps nothing, for layer-wise offload alone).
+        self.tree = RadixCache(self.allocator, disable=disable)
         self.min_load_tokens = max(1, min_load_tokens)
         self.hits = 0  # prefix hits served by a host -> device copy
         self.loaded_tokens = 0
@@ -179,22 +180,24 @@ class HostTier:
 
     # ---------------------------------------------------------------- reset / checks
 
-    def reset(self) -> None:
+    def reset(self, keep_pins: bool = True) -> None:
         """Drop everything held on the host (the /flush_cache path, after the device tree was reset). Queued copies
         are dropped too: their device slots were just freed by the device tree's reset."""
         self._saves, self._loads = [], []
         for node in self._locked_for_loads:
             self.tree.dec_lock_ref(node)
         self._locked_for_loads = []
-        self.tree.reset()
+        self.tree.reset(keep_pins=keep_pins)
 
-    def check_invariant(self, walk_tree: bool = False) -> None:
-        """Host slots: free + held in this tree == capacity (separate from the device pool's invariant)."""
+    def check_invariant(self, walk_tree: bool = False, owned: int = 0, long_running: bool = False) -> None:
+        """Host slots: free + held in this tree + owned by running long requests (layer-wise offload) == capacity
+        (separate from the device pool's invariant)."""
         free, held = self.allocator.num_free, self.tree.total_size()
-        if free + held != self.capacity_tokens:
-            raise AssertionError(f"host KV slot leak: free {free} + held {held} != capacity {self.capacity_tokens}")
-        if not self._locked_for_loads and self.tree.protected_size:
-            raise AssertionError(f"{self.tree.protected_size} host tokens locked with no load queued")
+        if free + held + owned != self.capacity_tokens:
+            raise AssertionError(f"host KV slot leak: free {free} + held {held} + owned by long requests {owned} != "
+                                 f"capacity {self.capacity_tokens}")
+        if not self._locked_for_loads and not long_running and self.tree.locked_size:
+            raise AssertionError(f"{self.tree.locked_size} host tokens locked with no load queued nor long request")
         if walk_tree:
             self.tree.check_invariants()
 

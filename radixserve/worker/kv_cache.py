@@ -86,14 +86,14 @@ class KVCache:
 
 
 class HostKVCache:
-    """The host-memory KV tier's buffer on this rank (--hicache-size; radixserve/cache/host_tier.py decides every
-    slot): [num_slots + 1, num_layers, 2, num_kv_heads, head_dim], one row per token with K and V of every layer
-    side by side, so a run of consecutive host slots is one contiguous copy. Pinned on CUDA, so copies are
-    asynchronous DMA ordered on the device stream with the forward; on the CPU it is a second ordinary buffer and
-    the same code runs (CI tests this path).
+    """The host-memory KV pool on this rank (--hicache-size; radixserve/cache/host_tier.py decides every slot):
+    [num_layers, 2, num_slots + 1, num_kv_heads, head_dim], layer-major so that one layer's K (or V) of a run of
+    consecutive host slots is one contiguous block: the layer-wise offload path (radixserve/worker/layer_ring.py)
+    moves one layer at a time, and a strided source would make every copy a CPU gather first. Pinned on CUDA, so
+    copies are asynchronous DMA; on the CPU it is a second ordinary buffer and the same code runs (CI tests this).
 
-    The scheduler frees and reuses slots at once, so both directions stay on the current stream: every copy is
-    ordered with the forwards before and after it, and none of them makes the host wait."""
+    The tier's saves and loads stay on the current stream: the scheduler frees and reuses slots at once, and every
+    copy is then ordered with the forwards before and after it without making the host wait."""
 
     # Tokens moved per staging chunk: bounds the device memory a large copy borrows beside the KV pool.
     CHUNK_TOKENS = 1024
@@ -102,40 +102,57 @@ class HostKVCache:
         c = device_cache
         self.device_cache = c
         self.num_slots = num_slots
-        pin = torch.device(c.k_buffers[0].device).type == "cuda"
-        self.buffer = torch.zeros((num_slots + 1, c.num_layers, 2, c.num_kv_heads, c.head_dim), dtype=c.dtype,
-                                  pin_memory=pin)
+        # Uninitialised: only written slots are ever read, and zeroing tens of GB would cost seconds at start-up.
+        self.buffer = torch.empty((c.num_layers, 2, num_slots + 1, c.num_kv_heads, c.head_dim), dtype=c.dtype)
+        if torch.device(c.k_buffers[0].device).type == "cuda":
+            _pin(self.buffer)
 
     @staticmethod
     def num_slots_for_gb(gb: float, device_cache: KVCache) -> int:
         c = device_cache
         return KVCache.num_slots_for_budget(int(gb * 1e9), c.num_layers, c.num_kv_heads, c.head_dim, c.dtype)
 
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(K, V) of one layer: [num_slots + 1, num_kv_heads, head_dim] each."""
+        return self.buffer[layer, 0], self.buffer[layer, 1]
+
     def save(self, device_slots: np.ndarray, host_slots: np.ndarray) -> None:
-        """buffer[host_slots[i]] = KV of device slot device_slots[i], every layer."""
+        """buffer[:, :, host_slots[i]] = KV of device slot device_slots[i], every layer."""
         c = self.device_cache
         for lo in range(0, len(host_slots), self.CHUNK_TOKENS):
             src = device_slots[lo:lo + self.CHUNK_TOKENS]
             index = torch.from_numpy(src.astype(np.int64)).to(c.k_buffers[0].device, non_blocking=True)
-            staged = torch.stack([torch.stack([c.k_buffers[layer][index], c.v_buffers[layer][index]], dim=1)
-                                  for layer in range(c.num_layers)], dim=1)
-            for start, end, offset in _runs(host_slots[lo:lo + self.CHUNK_TOKENS]):
-                self.buffer[start:end].copy_(staged[offset:offset + end - start], non_blocking=True)
+            runs = _runs(host_slots[lo:lo + self.CHUNK_TOKENS])
+            for layer in range(c.num_layers):
+                for kv, device_buffer in enumerate((c.k_buffers[layer], c.v_buffers[layer])):
+                    staged = device_buffer[index]  # (a fresh tensor: the caching allocator keeps it until the copy)
+                    for start, end, offset in runs:
+                        self.buffer[layer, kv, start:end].copy_(staged[offset:offset + end - start], non_blocking=True)
 
     def load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> None:
-        """KV of device slot device_slots[i], every layer = buffer[host_slots[i]]."""
+        """KV of device slot device_slots[i], every layer = buffer[:, :, host_slots[i]]."""
         c = self.device_cache
         device = c.k_buffers[0].device
         for lo in range(0, len(host_slots), self.CHUNK_TOKENS):
             src = host_slots[lo:lo + self.CHUNK_TOKENS]
-            staged = torch.empty((len(src), *self.buffer.shape[1:]), dtype=c.dtype, device=device)
-            for start, end, offset in _runs(src):
-                staged[offset:offset + end - start].copy_(self.buffer[start:end], non_blocking=True)
+            runs = _runs(src)
             index = torch.from_numpy(device_slots[lo:lo + self.CHUNK_TOKENS].astype(np.int64)).to(
                 device, non_blocking=True)
+            staged = torch.empty((len(src), c.num_kv_heads, c.head_dim), dtype=c.dtype, device=device)
             for layer in range(c.num_layers):
-                c.k_buffers[layer].index_copy_(0, index, staged[:, layer, 0])
-                c.v_buffers[layer].index_copy_(0, index, staged[:, layer, 1])
+                for kv, device_buffer in enumerate((c.k_buffers[layer], c.v_buffers[layer])):
+                    for start, end, offset in runs:
+                        staged[offset:offset + end - start].copy_(self.buffer[layer, kv, start:end], non_blocking=True)
+                    device_buffer.index_copy_(0, index, staged)
+
+
+def _pin(t: torch.Tensor) -> None:
+    """Page-lock t's memory in place (cudaHostRegister), exactly its size: torch's pinned allocator rounds every block
+    up to a power of two, so a 78 GB pool (512K tokens of Qwen3-8B) would take 128 GiB, more than the host has."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cannot page-lock {t.numel() * t.element_size() / 1e9:.1f} GB of host memory for the "
+                           f"host KV pool (cudaHostRegister error {int(err)})")
 
 
 def _runs(slots: np.ndarray):
