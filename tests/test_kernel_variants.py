@@ -40,9 +40,11 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
         assert "0 variant keys first launched after the warm-up run" in out, out[-6000:]
         assert children[mode].returncode == 0, out[-6000:]
         assert "run 2 (all at once): 0 new variant keys" in out
-    # Not vacuous: the warm-up ran every kernel of the decode step, the grouped decode (num_groups > 0) in mode on.
+    # Not vacuous: the warm-up ran every kernel of the decode step: the grouped decode's one launch in mode on, the
+    # plain decode's split and merge kernels in mode off.
     for mode, out in outputs.items():
-        for name in ("_decode_kernel(", "_extend_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(",
+        decode = ("_decode_kernel(",) if mode == "on" else ("_decode_split_kernel(", "_decode_merge_kernel(")
+        for name in (*decode, "_extend_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(",
                      "_silu_and_mul_kernel(", "_rmsnorm_kernel("):
             assert name in out, (mode, name)
 
