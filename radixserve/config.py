@@ -60,6 +60,23 @@ class ServerArgs:
     hicache_size: float = _flag(0.0, "GB of host memory per tensor-parallel rank for a second KV tier: prefixes "
                                      "evicted from the device pool are copied there and copied back on a later hit "
                                      "instead of being computed again (pinned memory on CUDA). 0 turns it off.")
+    # Contexts longer than the GPU KV pool (radixserve/worker/layerwise_offload.py, scheduler_service/long_context.py)
+    enable_layerwise_offload: bool = _flag(False, "Serve requests whose prompt + max_tokens exceed the GPU KV pool, up "
+                                                  "to --context-length, with their KV in the host pool of "
+                                                  "--hicache-size: the model runs them one layer at a time, "
+                                                  "streaming each layer's KV between host and GPU, in steps "
+                                                  "interleaved with the ordinary ones.")
+    layerwise_offload_chunk_size: int | None = _flag(None, "Tokens of a long prompt per chunk of its layer-at-a-time "
+                                                           "prefill (default --chunked-prefill-size).")
+    layerwise_offload_ring_size: int = _flag(2, "GPU buffers of one layer's KV each (>= 2): while one computes, the "
+                                                "next layers' KV streams in from the host.")
+    layerwise_offload_buffer_tokens: int | None = _flag(None, "Tokens each ring buffer holds (default the context "
+                                                              "length): long requests decode together when their "
+                                                              "contexts fit one buffer side by side.")
+    layerwise_offload_units_per_step: int = _flag(4, "Bound on a long request's step, in units of one chunk (or one "
+                                                     "decode batch) through one layer: ordinary requests wait at most "
+                                                     "one such step between two of theirs. 0: a whole layer of a "
+                                                     "prefill, a whole decode token.")
     # Scheduling
     chunked_prefill_size: int | None = _flag(None, "Most new prompt tokens per step (default 8192 on GPU, 512 on CPU; "
                                                    "-1 disables chunking).")
@@ -186,6 +203,8 @@ class ServerArgs:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         if self.hicache_size < 0:
             raise ValueError(f"--hicache-size must be >= 0 (GB; 0 = off), got {self.hicache_size}")
+        if self.enable_layerwise_offload:
+            self._check_layerwise_offload()
         if self.max_running_requests < 1:
             raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
@@ -221,6 +240,23 @@ class ServerArgs:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = 8192 if self.device == "cuda" else 512
+        if self.layerwise_offload_chunk_size is None:
+            self.layerwise_offload_chunk_size = self.chunked_prefill_size if self.chunked_prefill_size > 0 else 8192
+
+    def _check_layerwise_offload(self) -> None:
+        if self.hicache_size <= 0:
+            raise ValueError("--enable-layerwise-offload keeps long requests' KV in host memory: give its size with "
+                             "--hicache-size GB")
+        if self.tp_size > 1 or self.nnodes > 1:
+            raise ValueError("--enable-layerwise-offload runs on one GPU (--tp-size 1) for now")
+        if self.layerwise_offload_ring_size < 2:
+            raise ValueError(f"--layerwise-offload-ring-size must be >= 2, got {self.layerwise_offload_ring_size}")
+        for name in ("layerwise_offload_chunk_size", "layerwise_offload_buffer_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.layerwise_offload_units_per_step < 0:
+            raise ValueError("--layerwise-offload-units-per-step must be >= 0, got "
+                             f"{self.layerwise_offload_units_per_step}")
 
     @property
     def torch_dtype(self) -> "torch.dtype":

@@ -15,6 +15,7 @@ import torch
 
 import kernels
 from radixserve.worker.kv_cache import HostKVCache, KVCache, ReqToTokenPool
+from radixserve.worker.layerwise_offload import LayerwiseOffload
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.distributed import get_tp_rank, get_tp_size
 from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
@@ -80,12 +81,16 @@ class ModelRunner:
         self.device = torch.device(server_args.device if server_args.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
         self.dtype = server_args.torch_dtype
         self.context_len = self.model_config.context_len(server_args.context_length)
+        # The rope table covers every position served (a --context-length past the config's: YaRN's scaled context).
+        self.model_config.max_position_embeddings = max(self.model_config.max_position_embeddings, self.context_len)
         kernels.set_backend(server_args.kernel_backend)
         fused = server_args.enable_fused_layer_kernels
         kernels.configure(one_launch_decode=server_args.enable_one_launch_decode, fused_qkv=fused,
                           gate_up_silu_max_rows=server_args.gate_up_silu_max_rows if fused else 0)
 
         self.model = self._load_model(Path(model_dir))
+        # Layer-wise offload's GPU buffers before the KV pool, which is sized from the memory left after them.
+        self.offload = LayerwiseOffload(self) if server_args.enable_layerwise_offload else None
         self.num_kv_slots = self._kv_slots_to_allocate()
         cfg = self.model_config
         kv_heads = cfg.kv_heads_per_rank(get_tp_size())
@@ -94,7 +99,8 @@ class ModelRunner:
             layer.self_attn.attn.k_cache = self.kv_cache.k_cache(i)
             layer.self_attn.attn.v_cache = self.kv_cache.v_cache(i)
         self.num_host_slots, self.host_kv_cache = 0, None  # the host KV tier (--hicache-size)
-        if server_args.hicache_size > 0 and not server_args.disable_radix_cache:  # nothing to keep without a cache
+        # Nothing to keep without a cache, but layer-wise offload keeps its requests' KV there.
+        if server_args.hicache_size > 0 and (not server_args.disable_radix_cache or self.offload is not None):
             self.num_host_slots = HostKVCache.num_slots_for_gb(server_args.hicache_size, self.kv_cache)
             if self.num_host_slots < 1:
                 raise ValueError(f"--hicache-size {server_args.hicache_size} GB holds no token of KV")
@@ -163,7 +169,7 @@ class ModelRunner:
         cfg = self.model_config
         slots = KVCache.num_slots_for_budget(budget, cfg.num_layers, cfg.kv_heads_per_rank(get_tp_size()),
                                              cfg.head_dim, self.dtype)
-        if slots < self.context_len:
+        if slots < self.context_len and (self.offload is None or slots < 1):
             raise RuntimeError(f"only {slots} KV slots fit in --mem-fraction-static {self.args.mem_fraction_static}; "
                                f"need at least the context length {self.context_len}")
         return slots
@@ -304,6 +310,8 @@ class ModelRunner:
     def compute_logits(self, batch: ForwardBatch, all_positions: bool = False) -> torch.Tensor:
         """Run the model on the batch; logits of each request's last token ([B, V]), or of every token. The result
         is valid until the next call: a CUDA graph's output or the CPU's kept logits buffer may hold it."""
+        if batch.long is not None:  # a step of a request longer than the KV pool (layerwise_offload.py)
+            return self.offload.compute_logits(batch)
         inputs = self.prepare(batch, all_positions)
         if inputs.decode_graph:  # the whole step, req_to_token writes and LM head included, in one replay
             return self.cuda_graphs.replay(inputs.input_ids, inputs.positions, inputs.rows, inputs.seq_lens,
@@ -334,6 +342,8 @@ class ModelRunner:
     def _copy_host_tier(self, batch: ForwardBatch) -> None:
         """The batch's host-tier copies, before its forward and on the same stream: saves, then loads (why this order
         is safe: radixserve/cache/host_tier.py). Each rank copies its own KV heads."""
+        if self.offload is not None:
+            self.offload.before_host_tier_copies()
         if batch.host_save_host_slots:
             self.host_kv_cache.save(unpack_i32(batch.host_save_device_slots), unpack_i32(batch.host_save_host_slots))
         if batch.host_load_host_slots:
