@@ -139,8 +139,10 @@ class ServerArgs:
     shared_prefix_min_tokens: int = _flag(512, "Shortest shared prefix for which decodes read it together (the kernel "
                                                "breaks even at about 256 tokens and gains from 512 on an H100).")
     # HTTP
-    host: str = _flag("127.0.0.1", "Address to bind (loopback by default).")
-    port: int = _flag(30000, "HTTP port.")
+    host: str = _flag("127.0.0.1", "Address to bind (loopback by default; python -m radixserve.dynamo: its "
+                                   "request plane and system server, advertised to the frontend).")
+    port: int = _flag(30000, "HTTP port (python -m radixserve.dynamo: its Dynamo system server's, for /health, "
+                             "/metrics and /engine/control/...).")
     api_key: str | None = _flag(None, "If set, every route but /health wants 'Authorization: Bearer <key>'. "
                                       "Visible in ps: prefer $RADIXSERVE_API_KEY or --api-key-file.")
     api_key_file: str | None = _flag(None, "Read the API key from this file (first line), instead of --api-key.")
@@ -183,6 +185,22 @@ class ServerArgs:
                                             "per API key (the oldest go first; each holds its conversation's text "
                                             "and last token ids). 0 keeps none.")
     responses_store_ttl: float = _flag(3600.0, "Seconds a stored response of /v1/responses is kept.")
+    # NVIDIA Dynamo backend (python -m radixserve.dynamo: radixserve/dynamo/; README "Scaling out")
+    kv_events_block_size: int | None = _flag(None, "Publish the radix tree's inserts and evictions as KV events of "
+                                                   "full blocks of this many tokens, chained by parent, for Dynamo's "
+                                                   "KV router (and register it as the model's KV block size). "
+                                                   "Default: 16 under python -m radixserve.dynamo, none under "
+                                                   "launch.py; 0 turns them off.")
+    dynamo_namespace: str = _flag("dynamo", "Dynamo namespace the worker registers in.")
+    dynamo_component: str = _flag("radixserve", "Dynamo component of the worker: it serves "
+                                                "dyn://NAMESPACE.COMPONENT.generate.")
+    discovery_backend: str | None = _flag(None, "Dynamo discovery: etcd | kubernetes | file (one host: a directory, "
+                                                "$DYN_FILE_KV) | mem. Default: $DYN_DISCOVERY_BACKEND, else etcd.",
+                                          choices=["etcd", "kubernetes", "file", "mem"])
+    request_plane: str | None = _flag(None, "Dynamo request plane, router to worker: tcp (no broker) | nats. "
+                                            "Default: $DYN_REQUEST_PLANE, else tcp.", choices=["tcp", "nats"])
+    event_plane: str | None = _flag(None, "Dynamo event plane, for KV events and load: zmq (no broker) | nats. "
+                                          "Default: $DYN_EVENT_PLANE, else zmq.", choices=["zmq", "nats"])
     # Supervision
     watchdog_timeout: float | None = _flag(None, "Seconds a busy worker or scheduler may go without progress before "
                                                  "the server fails its requests and exits (default 300; "
@@ -233,6 +251,8 @@ class ServerArgs:
                              f"{self.responses_store_size} and {self.responses_store_ttl}")
         if self.max_header_bytes < 1024:
             raise ValueError(f"--max-header-bytes must be >= 1024, got {self.max_header_bytes}")
+        if self.kv_events_block_size is not None and self.kv_events_block_size < 0:
+            raise ValueError(f"--kv-events-block-size must be >= 0 (0: no KV events), got {self.kv_events_block_size}")
         if not 0 < self.port < 65536:
             raise ValueError(f"--port out of range: {self.port}")
         if self.device == "auto":

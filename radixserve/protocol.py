@@ -156,6 +156,7 @@ class TokenizedRequest(msgspec.Struct, tag=True):
     arrival_time: float
     priority: int = 0  # higher first, with --enable-priority-scheduling (scheduler_service/policy.py)
     cache_salt: str | None = None  # the tenant's cache namespace: prefixes are shared only within one salt
+    dp_rank: int | None = None  # --dp-size > 1: the replica an outside router chose (Dynamo's), else the controller's
 
 
 class AbortRequest(msgspec.Struct, tag=True):
@@ -285,7 +286,31 @@ class PinsReply(msgspec.Struct, tag=True):
     pinned_tokens: int = 0  # tokens held by pins after this request, each counted once
 
 
-SchedulerToTokenizer = BatchOutput | FlushCacheResult | ServerInfo | EngineFailed | CacheStats | PinsReply
+# ---------------------------------------------------------------- KV block events for Dynamo's router
+# (scheduler_service/kv_events.py -> radixserve/dynamo/kv_publisher.py; only with --kv-events-block-size)
+
+class KvBlocksStored(msgspec.Struct, array_like=True, tag=True):
+    """Full blocks the radix tree now holds, in order: each the child of the one before it, the first the child of
+    parent_hash (None: the first block of its namespace). A block's hash covers its namespace's salt and every token
+    from the root to the block's end, so equal hashes mean equal prefixes."""
+    block_hashes: list[int]
+    parent_hash: int | None
+    token_ids: bytes  # int32, block_size tokens per block
+    cache_salt: str | None
+
+
+class KvBlocksRemoved(msgspec.Struct, array_like=True, tag=True):
+    block_hashes: list[int]
+
+
+class KvBlockEvents(msgspec.Struct, tag=True):
+    """One scheduler's block events since its last report, in order (a flush is the removal of every block)."""
+    dp_rank: int
+    events: list[KvBlocksStored | KvBlocksRemoved]
+
+
+SchedulerToTokenizer = (BatchOutput | FlushCacheResult | ServerInfo | EngineFailed | CacheStats | PinsReply
+                        | KvBlockEvents)
 
 
 # ---------------------------------------------------------------- every child -> launch.py
@@ -358,4 +383,5 @@ class CacheEvents(msgspec.Struct, tag=True):
     events: list[CacheInserted | CacheEvicted | CacheCleared]
 
 
-ReplicaToController = BatchOutput | FlushCacheResult | ServerInfo | CacheEvents | CacheStats | PinsReply
+ReplicaToController = (BatchOutput | FlushCacheResult | ServerInfo | CacheEvents | CacheStats | PinsReply
+                       | KvBlockEvents)

@@ -13,12 +13,14 @@ class CacheEventLog:
     def __init__(self):
         self.events: list[CacheInserted | CacheEvicted | CacheCleared] = []
 
-    # RadixCache.listener
-    def inserted(self, tokens: np.ndarray) -> None:
-        self.events.append(CacheInserted(pack_i32(tokens)))
+    # RadixCache.listener. The mirror routes requests of the shared cache only: salted namespaces are not its concern.
+    def inserted(self, tokens: np.ndarray, namespace: str | None) -> None:
+        if namespace is None:
+            self.events.append(CacheInserted(pack_i32(tokens)))
 
-    def evicted(self, path: np.ndarray, key: np.ndarray) -> None:
-        self.events.append(CacheEvicted(pack_i32(path), pack_i32(key)))
+    def evicted(self, path: np.ndarray, key: np.ndarray, namespace: str | None) -> None:
+        if namespace is None:
+            self.events.append(CacheEvicted(pack_i32(path), pack_i32(key)))
 
     def cleared(self) -> None:
         self.events = [CacheCleared()]  # what came before no longer matters

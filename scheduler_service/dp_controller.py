@@ -15,6 +15,7 @@ from radixserve.config import ServerArgs
 from radixserve.data_parallel import replica_endpoints
 from radixserve.ipc import Channel, Endpoints
 from radixserve.process_util import run_child
+from radixserve.protocol import KvBlockEvents
 from radixserve.protocol import (AbortRequest, BatchOutput, CacheEvents, FlushCacheRequest, FlushCacheResult,
                                  ReplicaToController, SchedulerLoad, ServerInfo, ServerInfoRequest, TokenizedRequest,
                                  TokenizerToScheduler, unpack_i32)
@@ -75,7 +76,7 @@ class DataParallelController:
 
     def _from_front(self, message) -> None:
         if isinstance(message, TokenizedRequest):
-            i = self.router.route(message.rid, unpack_i32(message.input_ids))
+            i = self.router.route(message.rid, unpack_i32(message.input_ids), message.dp_rank)
             self.to_replicas[i].send(message)
         elif isinstance(message, AbortRequest):
             owner = self.router.owner.get(message.rid)
@@ -107,6 +108,9 @@ class DataParallelController:
                 self.to_front.send(message)
             elif isinstance(message, CacheEvents):
                 self.router.replicas[i].apply(message)
+            elif isinstance(message, KvBlockEvents):  # for Dynamo's router, which routes to (worker, dp_rank)
+                message.dp_rank = i
+                self.to_front.send(message)
             elif isinstance(message, PinsReply):
                 self._pin_step(*self.pins.from_replica(i, message))
             else:

@@ -115,9 +115,10 @@ class DataParallelRouter:
         self._next = itertools.cycle(range(dp_size))
         self.owner: dict[str, int] = {}  # rid -> replica, while it runs
 
-    def route(self, rid: str, prompt: np.ndarray) -> int:
-        """The replica for a new request; it counts as running there until finished(rid)."""
-        i = self._choose(prompt)
+    def route(self, rid: str, prompt: np.ndarray, forced: int | None = None) -> int:
+        """The replica for a new request (forced: the one an outside router chose, when in range); it counts as
+        running there until finished(rid)."""
+        i = forced if forced is not None and 0 <= forced < len(self.replicas) else self._choose(prompt)
         replica = self.replicas[i]
         replica.running[rid] = prompt
         replica.in_flight.insert(prompt)

@@ -19,6 +19,7 @@ from radixserve.tokenizer_loading import load_tokenizer
 from scheduler_service.cache_control import CacheControl
 from scheduler_service.cache_events import CacheEventLog
 from scheduler_service.cache_stats import cache_numbers, cache_stats
+from scheduler_service.kv_events import KvBlockLog, Listeners
 from scheduler_service.executor import WorkerProcessesExecutor
 from scheduler_service.request import Req
 from scheduler_service.results import StepOutput
@@ -55,7 +56,10 @@ class SchedulerProcess:
         self.invariant_ok = True
         # --dp-size > 1: the DP controller mirrors this tree from its insert/evict events.
         self.cache_events = CacheEventLog() if args.dp_size > 1 else None
-        self.scheduler.tree.listener = self.cache_events
+        # --kv-events-block-size: the tree as KV block events for Dynamo's router (the DP controller sets dp_rank).
+        self.kv_events = KvBlockLog(args.kv_events_block_size, 0) if args.kv_events_block_size else None
+        listeners = [log for log in (self.cache_events, self.kv_events) if log is not None]
+        self.scheduler.tree.listener = Listeners(*listeners) if len(listeners) > 1 else next(iter(listeners), None)
 
     def _wait_for_workers(self) -> WorkerReady:
         readies = []
@@ -140,9 +144,10 @@ class SchedulerProcess:
                 self.to_tokenizer.send(reply)
 
     def _report_cache_events(self) -> None:
-        message = self.cache_events.take() if self.cache_events is not None else None
-        if message is not None:
-            self.to_tokenizer.send(message)
+        for log in (self.cache_events, self.kv_events):
+            message = log.take() if log is not None else None
+            if message is not None:
+                self.to_tokenizer.send(message)
 
     def _check_invariant_at_idle(self) -> None:
         now = time.monotonic()

@@ -88,15 +88,15 @@ def test_namespaces_never_share():
     cache.check_invariants()
 
 
-def test_listener_hears_only_the_default_namespace():
+def test_listener_hears_every_namespace():
     events = []
 
     class Listener:
-        def inserted(self, tokens):
-            events.append(("inserted", tokens.tolist()))
+        def inserted(self, tokens, namespace):
+            events.append(("inserted", tokens.tolist(), namespace))
 
-        def evicted(self, path, key):
-            events.append(("evicted", path.tolist(), key.tolist()))
+        def evicted(self, path, key, namespace):
+            events.append(("evicted", path.tolist(), key.tolist(), namespace))
 
         def cleared(self):
             events.append(("cleared",))
@@ -106,13 +106,16 @@ def test_listener_hears_only_the_default_namespace():
     put(allocator, cache, [1, 2], namespace="salt")
     put(allocator, cache, [1, 2, 3])
     cache.evict(100)
-    assert events == [("inserted", [1, 2, 3]), ("evicted", [], [1, 2, 3])]
+    assert sorted(events[2:]) == [("evicted", [], [1, 2], "salt"), ("evicted", [], [1, 2, 3], None)]
+    assert events[:2] == [("inserted", [1, 2], "salt"), ("inserted", [1, 2, 3], None)]
     put(allocator, cache, [5, 6, 7])
     put(allocator, cache, [5, 8])
     cache.pin([5, 6])
+    put(allocator, cache, [9, 9, 9], namespace="salt")
+    cache.pin([9, 9], namespace="salt")
     events.clear()
-    cache.reset()  # the mirror is told what is left: the pinned path, ending where its leaf does
-    assert events == [("cleared",), ("inserted", [5, 6])]
+    cache.reset()  # the listener is told what is left: each pinned path, ending where its leaf does
+    assert events == [("cleared",), ("inserted", [5, 6], None), ("inserted", [9, 9], "salt")]
 
 
 def test_pinned_prefix_survives_a_flood():

@@ -47,9 +47,10 @@ class RadixCache:
         self.disable = disable
         self._leaves = EvictableLeaves(eviction_policy)  # unlocked, unpinned leaves in eviction order
         self._clock = itertools.count(1)
-        # Told of every change to what is cached (inserted(tokens), evicted(path, key), cleared()): a data-parallel
-        # scheduler reports them so the front end's mirror of this tree stays exact (scheduler_service/cache_events.py).
-        # The mirror routes requests of the shared cache only, so it hears of the default namespace alone.
+        # Told of every change to what is cached, in every namespace (inserted(tokens, namespace), evicted(path, key,
+        # namespace), cleared()): a data-parallel scheduler reports them so the front end's mirror of this tree stays
+        # exact (scheduler_service/cache_events.py), and a Dynamo worker's as KV block events for Dynamo's router
+        # (scheduler_service/kv_events.py).
         self.listener = None
         # evict_hook(path_tokens, slots, namespace) sees every evicted leaf while its slots still hold its KV
         # (the host-memory tier copies them out).
@@ -158,8 +159,8 @@ class RadixCache:
             self._leaves.discard(parent)  # no longer a leaf
             self.evictable_size += len(leaf)
             self._leaves.add(leaf)
-            if self.listener is not None and namespace is None:
-                self.listener.inserted(tokens)
+            if self.listener is not None:
+                self.listener.inserted(tokens, namespace)
         if duplicates:
             self.allocator.free(np.concatenate(duplicates))
         return already_cached
@@ -231,7 +232,7 @@ class RadixCache:
                 if node is None:
                     break
                 parent = node.parent
-                report = self.listener is not None and node.namespace is None
+                report = self.listener is not None
                 path = path_tokens(node) if report or self.evict_hook is not None else None
                 del parent.children[int(node.key[0])]
                 node.parent = None
@@ -244,7 +245,7 @@ class RadixCache:
                 elif not parent.children and not parent.lock_ref and not parent.pin_ref:
                     self._leaves.add(parent)
                 if report:
-                    self.listener.evicted(path[: len(path) - len(node)], node.key)
+                    self.listener.evicted(path[: len(path) - len(node)], node.key, node.namespace)
                 if self.evict_hook is not None:
                     self.evict_hook(path, node.value, node.namespace)
         finally:
@@ -283,9 +284,10 @@ class RadixCache:
         self._leaves.clear()
         if self.listener is not None:
             self.listener.cleared()
-            for node in subtree(self.root):
-                if not node.children:
-                    self.listener.inserted(path_tokens(node))
+            for namespace, root in self._roots.items():  # what is left: each pinned path, to its leaf
+                for node in subtree(root):
+                    if not node.children:
+                        self.listener.inserted(path_tokens(node), namespace)
         if freed:
             self.allocator.free(np.concatenate(freed))
 
