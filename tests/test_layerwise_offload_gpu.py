@@ -20,18 +20,16 @@ def test_ring_copies_wait_for_each_other():
     """Ten layers through a ring of 2: each layer's buffer is filled from the host on the side stream while the
     compute stream is held back (torch.cuda._sleep), read by the 'layer', and new rows written and copied out. Every
     read must see its own layer's host data and every copy out must carry what its layer wrote."""
-    from radixserve.worker.kv_cache import _pin
+    from radixserve.worker.kv_cache import pinned_empty
     from radixserve.worker.layer_ring import LayerRing, host_runs
 
     dev = torch.device("cuda")
     layers, tokens, heads, dim = 10, 4096, 2, 64
     ring = LayerRing(2, tokens + 8, heads, dim, torch.float32, dev)
-    host_k = torch.empty((layers, 2 * tokens, heads, dim))
-    _pin(host_k)
-    host_v = torch.empty_like(host_k)
-    _pin(host_v)
-    host_k.copy_(torch.randn_like(host_k))
-    host_v.copy_(torch.randn_like(host_v))
+    host_k, host_v = (pinned_empty((layers, 2 * tokens, heads, dim), torch.float32) for _ in range(2))
+    assert host_k.is_pinned()
+    host_k.copy_(torch.randn(host_k.shape))
+    host_v.copy_(torch.randn(host_v.shape))
     context = np.arange(0, tokens, dtype=np.int32)  # host slots of the context: one run
     new_slots = np.arange(tokens, tokens + 8, dtype=np.int32)
     sums = []

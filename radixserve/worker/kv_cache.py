@@ -4,6 +4,9 @@ these tensors only hold what every ForwardBatch says."""
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import numpy as np
 import torch
 
@@ -103,9 +106,9 @@ class HostKVCache:
         self.device_cache = c
         self.num_slots = num_slots
         # Uninitialised: only written slots are ever read, and zeroing tens of GB would cost seconds at start-up.
-        self.buffer = torch.empty((c.num_layers, 2, num_slots + 1, c.num_kv_heads, c.head_dim), dtype=c.dtype)
-        if torch.device(c.k_buffers[0].device).type == "cuda":
-            _pin(self.buffer)
+        shape = (c.num_layers, 2, num_slots + 1, c.num_kv_heads, c.head_dim)
+        cuda = torch.device(c.k_buffers[0].device).type == "cuda"
+        self.buffer = pinned_empty(shape, c.dtype) if cuda else torch.empty(shape, dtype=c.dtype)
 
     @staticmethod
     def num_slots_for_gb(gb: float, device_cache: KVCache) -> int:
@@ -146,13 +149,19 @@ class HostKVCache:
                     device_buffer.index_copy_(0, index, staged)
 
 
-def _pin(t: torch.Tensor) -> None:
-    """Page-lock t's memory in place (cudaHostRegister), exactly its size: torch's pinned allocator rounds every block
-    up to a power of two, so a 78 GB pool (512K tokens of Qwen3-8B) would take 128 GiB, more than the host has."""
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cannot page-lock {t.numel() * t.element_size() / 1e9:.1f} GB of host memory for the "
-                           f"host KV pool (cudaHostRegister error {int(err)})")
+def pinned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """Page-locked host memory of exactly this size: an anonymous mapping (page-aligned) registered with
+    cudaHostRegister. torch's pinned allocator rounds every block up to a power of two, so a 78 GB pool (512K tokens
+    of Qwen3-8B) would take 128 GiB, more than the host has."""
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, nbytes)
+    t = torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)  # (keeps the mapping alive)
+    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+    if err != 0:
+        raise RuntimeError(f"cannot page-lock {nbytes / 1e9:.1f} GB of host memory for the host KV pool "
+                           f"(cudaHostRegister error {err})")
+    return t
 
 
 def _runs(slots: np.ndarray):
