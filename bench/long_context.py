@@ -211,9 +211,12 @@ def run(ns, out_dir: Path) -> dict:
         res["gpu_prefill_fit"] = [float(c) for c in fit]
         doc_tokens = ns.doc_tokens
         if ns.budget_s:  # shorten the document so that the rest of the run fits the budget
-            left = ns.budget_s - (time.perf_counter() - started) - 60
-            while doc_tokens > 2 * ns.max_total_tokens and 1.3 * np.polyval(fit, doc_tokens) > 0.6 * left:
-                doc_tokens = int(doc_tokens * 0.8)
+            left = ns.budget_s - (time.perf_counter() - started) - 30
+            read_s = res["kv_bytes_per_token"] / ((res.get("h2d_gb_s") or 20.0) * 1e9)  # a decode reads it all
+            decodes = ns.out_tokens + len(ns.decode_points) * ns.decode_tokens + 4
+            while doc_tokens > 2 * ns.max_total_tokens and \
+                    1.2 * np.polyval(fit, doc_tokens) + 1.2 * decodes * doc_tokens * read_s > left:
+                doc_tokens = int(doc_tokens * 0.9)
             res["doc_tokens"] = doc_tokens
         doc = rng.integers(0, vocab, doc_tokens).tolist()
         out, prefill_s, decode_ms = timed(engine, doc, ns.out_tokens)
