@@ -4,7 +4,7 @@ time with their KV in the host pool, give the greedy tokens a server whose pool 
 Through the real Engine (scheduler and worker processes): several chunk sizes, ring sizes 2 and 3, step bounds and
 both step loops; two long requests at once beside two short ones; a follow-up turn over the first long prompt that
 computes only its new tokens; the KV invariant of the device pool and of the host pool after each; short requests
-served between the long one's steps; the admission limits. In process (the invariant checked after every step):
+served between the long one's steps; the admission limits; launch.py's HTTP server (/generate, a 400). In process (the invariant checked after every step):
 real weights (the demo model, fp32) on a prompt longer than the pool; documents in the host tier under cache_salt,
 LRU eviction and pins. The start-up check of host memory, and bench/long_context.py --smoke."""
 
@@ -239,3 +239,28 @@ def test_a_pinned_document_stays_in_host_memory(model_dir):
         engine.generate(other + [3], params)
     assert engine.generate(doc + [1, 2], params).cached_tokens == 0  # unpinned, it was evicted like any prefix
     s.check_invariant(walk_tree=True)
+
+
+def test_through_the_http_server(model_dir, reference):
+    """launch.py with --enable-layerwise-offload: /generate serves a prompt 4x the pool with the tokens a whole pool
+    gives, a prompt beyond the host pool is a 400 naming it, and the server goes idle with both pools accounted."""
+    import httpx
+
+    from server_fixture import launched_server
+
+    longs, _, _ = workload()
+    expected = reference[0][0]
+    with launched_server(model_dir, "--max-total-tokens", str(POOL), "--enable-layerwise-offload", "--hicache-size",
+                         str(HOST_GB)) as server:
+        body = {"input_ids": longs[0], "sampling_params": {"max_new_tokens": OUT, "temperature": 0.0,
+                                                           "ignore_eos": True}}
+        reply = httpx.post(f"{server.url}/generate", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["output_ids"] == expected
+        capacity = server.server_info()["hicache_capacity_tokens"]
+        too_long = {"input_ids": [5] * capacity, "sampling_params": {"max_new_tokens": 1}}
+        refused = httpx.post(f"{server.url}/generate", json=too_long, timeout=60)
+        assert refused.status_code == 400 and f"at most {capacity} tokens" in refused.text
+        assert "--hicache-size" in refused.text
+        server.assert_idle_kv_invariant()
+        assert_invariants(server.server_info())
