@@ -86,6 +86,9 @@ class LongContext:
     def check(self, req: Req) -> None:
         """ValueError (a 400) for a long request that can never run, naming the limit."""
         total = len(req.prompt_ids) + req.params.max_new_tokens
+        if req.prompt_logprobs is not None:
+            raise ValueError(f"prompt logprobs (echo) are not served for requests longer than the KV pool "
+                             f"({self.s.slot_allocator.num_total} tokens): their prompt runs one layer at a time")
         if total > self.buffer_tokens:
             raise ValueError(f"this request holds up to {total} tokens, more than a layer-wise offload buffer holds "
                              f"({self.buffer_tokens} tokens, --layerwise-offload-buffer-tokens)")

@@ -264,3 +264,41 @@ def test_through_the_http_server(model_dir, reference):
         assert "--hicache-size" in refused.text
         server.assert_idle_kv_invariant()
         assert_invariants(server.server_info())
+
+
+def test_aborts_in_the_middle_of_jobs(model_dir):
+    """Aborting a long request mid-prefill and another mid-decode-job (a job of two that spans steps): the one left
+    gets the tokens it gets alone, and every slot, row and host slot comes back (checked after every step)."""
+    from scheduler_service.in_process_engine import InProcessEngine
+    from scheduler_service.request import Req
+
+    longs, _, _ = workload()
+    params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    config = dict(device="cpu", max_total_tokens=POOL, enable_layerwise_offload=True, hicache_size=HOST_GB,
+                  layerwise_offload_chunk_size=64, layerwise_offload_units_per_step=1)
+    alone = InProcessEngine(model_dir, **config).generate(longs[0], params).token_ids
+    engine = InProcessEngine(model_dir, **config)
+    s = engine.scheduler
+    s.check_invariant_every_step = True
+    reqs = [Req(f"r{i}", prompt, params) for i, prompt in enumerate([longs[0], longs[1], longs[1][:200]])]
+    for req in reqs:
+        s.add_request(req)
+    for _ in range(3):
+        engine.loop.step()
+    assert s.long.prefill is not None and s.long.prefill.reqs[0] is reqs[0]
+    while s.long.prefill is None or s.long.prefill.reqs[0] is not reqs[2]:
+        engine.loop.step()  # request 0 decodes while request 1, then 2 prefill
+    assert s.abort("r2") and s.long.prefill is None  # mid-prefill: the rest of its job is never sent
+    while s.long.decode is None or len(s.long.decode.reqs) < 2 or s.long.decode.next_unit == 0:
+        engine.loop.step()
+    row, free_before = reqs[1].req_pool_idx, s.row_allocator.num_free
+    assert s.abort("r1")  # inside a decode job of both: its row waits for the job's last step (a request given
+    assert s.row_allocator.num_free == free_before  # the row before would get this job's token for it)
+    while s.long.decode is not None:
+        engine.loop.step()
+    assert not s.row_allocator._is_free[row] or s.row_allocator.num_free == free_before + 1
+    engine.loop.run_until_idle()
+    assert reqs[0].output_ids == alone and reqs[0].finish_reason == "length"
+    assert [r.finish_reason for r in reqs[1:]] == ["abort", "abort"]
+    s.check_invariant(walk_tree=True)
+    assert s.row_allocator.num_free == s.row_allocator.num_total and s.long.owned_host_slots() == 0
