@@ -106,6 +106,8 @@ def test_admission_names_the_limits(model_dir):
             engine.generate([5] * 2990, SamplingParams(max_new_tokens=20))
         with pytest.raises(ValueError, match=f"holds at most {capacity} tokens per sequence.*--hicache-size"):
             engine.generate([5] * capacity, SamplingParams(max_new_tokens=1))
+        echo = engine.generate([5] * 300, SamplingParams(max_new_tokens=1, prompt_logprobs=0))
+        assert echo.finish_reason == "error" and "prompt logprobs" in echo.error
         ok = engine.generate([5] * (capacity - 4), SamplingParams(max_new_tokens=4, ignore_eos=True))
         assert ok.error is None and len(ok.token_ids) == 4
         assert_invariants(engine.server_info())
