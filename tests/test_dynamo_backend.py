@@ -13,6 +13,7 @@ worker's Dynamo instance id, which its server_info control reports)."""
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
@@ -20,6 +21,7 @@ import threading
 import time
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -109,6 +111,21 @@ def test_openai_routes_through_the_frontend(deployment):
     assert "".join(streamed)
     logprobs = c.completions.create(model=MODEL, prompt="Once", max_tokens=3, logprobs=2, extra_body=NO_EOS)
     assert len(logprobs.choices[0].logprobs.token_logprobs) == 3
+    # response_format: radixserve's grammar holds the reply to the schema (Dynamo sends it as guided_decoding.json).
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+              "additionalProperties": False}
+    reply = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city, as JSON."}],
+                                      max_tokens=40, response_format={"type": "json_schema",
+                                                                      "json_schema": {"name": "city", "schema": schema}})
+    jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
+    # Stop strings reach radixserve's scheduler, which stops there (fewer tokens); the frontend cuts them from the
+    # text. (With ignore_eos, Dynamo's frontend drops every stop condition.)
+    free = c.completions.create(model=MODEL, prompt="The story begins", max_tokens=20, temperature=0)
+    word = free.choices[0].text.split()[1]
+    stopped = c.completions.create(model=MODEL, prompt="The story begins", max_tokens=20, temperature=0, stop=[word])
+    assert stopped.choices[0].finish_reason == "stop" and word not in stopped.choices[0].text
+    assert free.choices[0].text.startswith(stopped.choices[0].text)
+    assert stopped.usage.completion_tokens < free.usage.completion_tokens
     # What the frontend passes on but radixserve refuses is a 400 that names the problem.
     with pytest.raises(openai.BadRequestError, match="n > 1 is not supported"):
         c.completions.create(model=MODEL, prompt="hi", max_tokens=2, n=2)

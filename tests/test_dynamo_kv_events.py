@@ -16,11 +16,12 @@ import time
 
 import pytest
 from dynamo.llm import KvRouter, KvRouterConfig
+from transformers import AutoTokenizer
 from dynamo.runtime import DistributedRuntime
 
 from radixserve.process_util import process_tree_argv
 
-from dynamo_fixture import BLOCK, MODEL, Worker, dynamo_env, wait_for
+from dynamo_fixture import BLOCK, MODEL, MODEL_DIR, Worker, dynamo_env, wait_for
 
 SETTLE_S = 10.0  # events reach the router over the event plane within milliseconds; room for a busy CPU
 
@@ -60,13 +61,16 @@ async def _check_events(worker: Worker) -> None:
         found = {w["dp_rank"]: w["device_blocks"] for w in scores["workers"]}
         return {rank: found.get(rank, 0) for rank in (0, 1)}
 
-    async def eventually(ids: list[int], expected: dict[int, int], salt: str | None = None) -> None:
-        """The router's view reaches `expected` (events travel apart from the replies) and stays there."""
-        deadline = time.monotonic() + SETTLE_S
-        while (seen := await blocks(ids, salt)) != expected and time.monotonic() < deadline:
+    async def reaches(ids: list[int], expected: dict[int, int], salt: str | None, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while await blocks(ids, salt) != expected and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.1)
-        assert await blocks(ids, salt) == expected, (seen, expected)
+        return await blocks(ids, salt) == expected
+
+    async def eventually(ids: list[int], expected: dict[int, int], salt: str | None = None) -> None:
+        """The router's view reaches `expected` (events travel apart from the replies) and stays there."""
+        assert await reaches(ids, expected, salt, SETTLE_S), (await blocks(ids, salt), expected)
 
     async def send(ids: list[int], dp_rank: int, salt: str | None = None, max_tokens: int = 2) -> int:
         """Runs the request on that replica; returns the prompt tokens it found cached."""
@@ -80,6 +84,20 @@ async def _check_events(worker: Worker) -> None:
     while len((await router.get_overlap_scores([1] * BLOCK))["workers"]) < 2:  # both replicas registered
         assert time.monotonic() < deadline, "the router never saw both replicas"
         await asyncio.sleep(0.3)
+
+    # Until the router's subscription to a replica's events is up, what that replica publishes is lost (zmq); the
+    # router recovers the replica's whole state when a later event shows it a gap. So: one request per replica until
+    # the router has seen its blocks, then a flush.
+    for rank in (0, 1):
+        for _ in range(10):
+            warm = tokens(rng, 40)
+            await send(warm, dp_rank=rank, max_tokens=1)
+            if await reaches(warm, {rank: 2, 1 - rank: 0}, None, 2.0):
+                break
+        else:
+            raise AssertionError(f"the router never heard replica {rank}'s events")
+    assert worker.control("flush_cache")["success"]
+    await eventually(warm, {0: 0, 1: 0})
 
     # Stored: on the replica that ran the request, in full blocks (70 prompt + 1 computed output = 4 blocks).
     prompt = tokens(rng, 70)
@@ -120,6 +138,20 @@ async def _check_events(worker: Worker) -> None:
     await eventually(system, {0: 2, 1: 2})  # the pin held through all of it
     info = worker.info()
     assert info["kv_invariant_ok"] and info["num_running"] == 0
+
+    # Stop strings are the scheduler's to match (here no frontend stands between to cut the text): a greedy reply,
+    # then the same request stopping at one of its words, on fewer tokens.
+    async def reply(stop: list[str] | None) -> dict:
+        stream = await router.generate(prompts[1], MODEL, stop_conditions={"max_tokens": 12, "stop": stop},
+                                       sampling_options={"temperature": 0.0}, worker_id=worker.id, dp_rank=1)
+        outs = [out async for out in stream]
+        return {"tokens": [t for out in outs for t in out["token_ids"]], "finish": outs[-1]["finish_reason"]}
+
+    free = await reply(None)
+    text = AutoTokenizer.from_pretrained(MODEL_DIR).decode(free["tokens"])
+    stopped = await reply([text.split()[1]])
+    assert stopped["finish"] == "stop" and len(stopped["tokens"]) < len(free["tokens"]), (free, stopped, text)
+    assert free["tokens"][:len(stopped["tokens"])] == stopped["tokens"]
 
     # A process of the engine dies mid-request: the request fails with the reason, and the worker leaves (exit 1)
     # rather than stay registered without an engine.

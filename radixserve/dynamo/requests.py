@@ -3,8 +3,8 @@
 Dynamo's frontend sends token ids with stop_conditions, sampling_options and output_options (its
 PreprocessedRequest); a worker answers with chunks of token ids, the last one with finish_reason and
 completion_usage. Everything that decides anything stays radixserve's: the SamplingParams built here are validated by
-check_request like any front end's, and the scheduler decides every finish. Dynamo's frontend itself cuts the text
-at stop strings (it does not forward them) and cancels the request, which aborts it here.
+check_request like any front end's, and the scheduler decides every finish, stop strings included (Dynamo's frontend
+cuts them from the text it makes of the tokens; with ignore_eos it sends no stop condition at all).
 """
 
 from __future__ import annotations
