@@ -9,6 +9,7 @@ is rebuilt from sys.argv: it is the one that ran, not one typed by hand) and rep
 from __future__ import annotations
 
 import datetime
+import os
 import shlex
 import statistics
 import subprocess
@@ -41,6 +42,8 @@ def gpu_name() -> str:
 
 
 def _git_commit() -> str:
+    if os.environ.get("RADIXSERVE_GIT_COMMIT"):  # a tree without .git (a `git archive` sent to a GPU machine)
+        return os.environ["RADIXSERVE_GIT_COMMIT"]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
                                 timeout=10).stdout.strip()
