@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.run_record import check_repeats, run_record, summarize_rows
+from bench.run_record import check_repeats, run_record, summarize, summarize_rows
 from bench.server_process import start_server
 from radixserve.testing.tiny_models import dummy_config_dir
 from radixserve.tokenizer_loading import load_tokenizer
@@ -104,7 +104,10 @@ async def _share(url: str, model: str, chats: list[list[dict]], start_at: float,
     clients = [client()] * len(chats) if shared_client else [client() for _ in chats]
     await asyncio.sleep(max(0.0, start_at - time.time()))  # every process starts its requests at the same moment
     try:
-        return await asyncio.gather(*(_one(c, model, m, max_tokens) for c, m in zip(clients, chats)))
+        results = await asyncio.gather(*(_one(c, model, m, max_tokens) for c, m in zip(clients, chats)),
+                                       return_exceptions=True)
+        # As text: the openai package's errors do not survive pickling back to the parent process.
+        return [{"error": repr(r)} if isinstance(r, BaseException) else r for r in results]
     finally:
         for c in set(clients):
             await c.close()
@@ -122,6 +125,9 @@ def burst(pool, procs: int, url: str, model: str, chats: list[list[dict]], ns) -
     shares = [chats[p::procs] for p in range(procs)]
     args = [(url, model, share, start_at, ns.shared_client, ns.max_tokens) for share in shares if share]
     results = [r for part in pool.starmap(client_share, args) for r in part]
+    failed = [r["error"] for r in results if "error" in r]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(results)} requests failed, the first with {failed[0]}")
     ttfts = np.array([r["ttft"] for r in results]) * 1e3
     gaps = np.array([g for r in results for g in r["gaps"]] or [float("nan")]) * 1e3
     tokens = sum(r["completion_tokens"] for r in results)
@@ -158,7 +164,7 @@ class ModeServer:
             burst(pool, 1, self.url, self.model, conversations(prompts, len(prompts), f"{mode}-cache", ns.seed), ns)
             self.burst("warm")
         except BaseException:
-            self.stop()
+            self.stop(failed=True)
             raise
 
     def burst(self, tag: str) -> dict:
@@ -169,11 +175,15 @@ class ModeServer:
         self.runs.append(self.burst(str(len(self.runs))))
         print(f"  {self.mode} burst {len(self.runs) - 1}: {json.dumps(self.runs[-1])}", flush=True)
 
-    def stop(self) -> None:
+    def stop(self, failed: bool = False) -> None:
         try:
-            info = httpx.get(f"{self.url}/server_info", timeout=30).json()
-            if not info.get("kv_invariant_ok", True):
-                raise RuntimeError(f"KV invariant broken after the bursts: {info}")
+            if failed:  # the server's own account of what went wrong, before its log goes
+                print(f"--- {self.mode} server log (last 40 lines) ---\n" +
+                      "\n".join(self.log.read_text(errors="replace").splitlines()[-40:]), flush=True)
+            else:
+                info = httpx.get(f"{self.url}/server_info", timeout=30).json()
+                if not info.get("kv_invariant_ok", True):
+                    raise RuntimeError(f"KV invariant broken after the bursts: {info}")
         finally:
             self.server.send_signal(signal.SIGTERM)
             self.server.wait(timeout=60)
@@ -184,27 +194,22 @@ def run_modes(modes: list[str], model_dir: str, ns, prompts: list[str], pool) ->
     """Every mode's timed bursts: one server after the other, or with --interleave all of them up at once and their
     bursts alternating, so that a machine whose load drifts (a shared CPU) weighs on every mode alike."""
     results = {}
-    if not ns.interleave:
-        for mode in modes:
-            server = ModeServer(mode, model_dir, ns, prompts, pool)
-            try:
-                for _ in range(ns.repeats):
+    groups = [[mode] for mode in modes] if not ns.interleave else [modes]
+    for group in groups:
+        servers: list[ModeServer] = []
+        failed = True
+        try:
+            for mode in group:
+                servers.append(ModeServer(mode, model_dir, ns, prompts, pool))
+            for _ in range(ns.repeats):
+                for server in servers:
                     server.timed_burst()
-            finally:
-                server.stop()
-            results[mode] = summarize_rows(server.runs)
-        return results
-    servers: list[ModeServer] = []
-    try:
-        for mode in modes:
-            servers.append(ModeServer(mode, model_dir, ns, prompts, pool))
-        for _ in range(ns.repeats):
+            failed = False
+        finally:
             for server in servers:
-                server.timed_burst()
-    finally:
-        for server in servers:
-            server.stop()
-    return {server.mode: summarize_rows(server.runs) for server in servers}
+                server.stop(failed)
+        results.update({server.mode: summarize_rows(server.runs) for server in servers})
+    return results
 
 
 def run_mode(mode: str, model_dir: str, ns, prompts: list[str], pool) -> dict:
@@ -255,9 +260,17 @@ def main() -> None:
     for mode, figures in results.items():
         print(f"{mode}: " + ", ".join(f"{k} {figures[k]['median']} ({figures[k]['spread_pct']}%)" for k in keys),
               flush=True)
-    out = {"record": run_record(), "workload": {k: getattr(ns, k) for k in (
-        "requests", "groups", "system_tokens", "max_tokens", "repeats", "client_procs", "shared_client", "device",
-        "config", "model", "server_flags", "interleave")}, "cpus": os.cpu_count(), "results": results}
+    paired = {}
+    if ns.interleave and len(modes) == 2:  # bursts i of the two modes ran back to back: their ratio cancels drift
+        first, second = (results[m] for m in modes)
+        for key in ("ttft_p50_ms", "ttft_p99_ms"):
+            paired[f"{key} {modes[1]}/{modes[0]}"] = summarize(
+                [b / a for a, b in zip(first[key]["runs"], second[key]["runs"])])
+            print(f"paired {key} {modes[1]}/{modes[0]}: {paired[f'{key} {modes[1]}/{modes[0]}']}", flush=True)
+    workload = {k: getattr(ns, k) for k in ("requests", "groups", "system_tokens", "max_tokens", "repeats",
+                                            "client_procs", "shared_client", "device", "config", "model",
+                                            "server_flags", "interleave")}
+    out = {"record": run_record(), "workload": workload, "cpus": os.cpu_count(), "results": results, "paired": paired}
     if ns.json_out:
         Path(ns.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(ns.json_out).write_text(json.dumps(out, indent=1) + "\n")
