@@ -123,3 +123,33 @@ def serves(frontend: Frontend, worker: Worker) -> bool:
 def idle(worker: Worker) -> bool:
     info = worker.info()
     return info["num_running"] == 0 and info["num_waiting"] == 0
+
+
+def wait_until_unlisted(store: Path, worker_id: int, timeout: float = 60) -> None:
+    """Until discovery no longer lists the worker (a killed one stays listed until its lease lapses, seconds), as
+    Dynamo's own client sees it."""
+    import asyncio
+
+    from dynamo.runtime import DistributedRuntime
+
+    async def watch() -> None:
+        runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+        try:
+            client = await runtime.endpoint("dynamo.radixserve.generate").client()
+            deadline = time.monotonic() + timeout
+            while worker_id in client.instance_ids():
+                assert time.monotonic() < deadline, f"worker {worker_id} still listed after {timeout:.0f} s"
+                await asyncio.sleep(0.3)
+        finally:
+            runtime.shutdown()
+
+    saved = {key: os.environ.get(key) for key in dynamo_env(store)}
+    os.environ.update({k: v for k, v in dynamo_env(store).items() if k.startswith("DYN_")})
+    try:
+        asyncio.run(watch())
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -25,7 +25,7 @@ import jsonschema
 import openai
 import pytest
 
-from dynamo_fixture import MODEL, REPO, Frontend, Worker, idle, serves, wait_for
+from dynamo_fixture import MODEL, REPO, Frontend, Worker, idle, serves, wait_for, wait_until_unlisted
 
 GROUPS, ROUNDS = 8, 4
 NO_EOS = {"ignore_eos": True}  # the tiny model samples freely and may end early on EOS
@@ -195,7 +195,7 @@ def test_router_follows_evictions_of_a_worker_under_memory_pressure(deployment):
 
 
 def test_streaming_abort_and_a_worker_killed_mid_stream(deployment):
-    procs, _, _ = deployment
+    procs, store, _ = deployment
     a, c = procs["a"], procs["second"]  # b, or c if the test before replaced b with it
     cl = client(procs["kv"])
 
@@ -257,6 +257,7 @@ def test_streaming_abort_and_a_worker_killed_mid_stream(deployment):
                 return False
         return True
 
+    wait_until_unlisted(store, a.id)  # until then the router may still pick it (a 503)
     wait_for(routes_around_it, "the frontend to drop the killed worker", 60, 1.0)
     for i in range(6):
         assert cl.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=2,

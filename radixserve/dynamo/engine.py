@@ -123,7 +123,7 @@ class RadixserveEngine(LLMEngine):
             raise InvalidArgument(f"request id {rid} is already in flight on this worker")
         dp_rank = job.dp_rank if self.args.dp_size > 1 else None
         queue = link.submit(TokenizedRequest(rid, pack_i32(job.prompt_ids), job.params, time.time(),
-                                                  cache_salt=job.cache_salt, dp_rank=dp_rank))
+                                             cache_salt=job.cache_salt, dp_rank=dp_rank))
         finished, cached_tokens = False, None
         try:
             while not finished:

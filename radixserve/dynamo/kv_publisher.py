@@ -7,12 +7,10 @@ publisher is ready wait here, in order. The publisher numbers events itself; a b
 
 from __future__ import annotations
 
-import logging
+import threading
 from functools import partial
 
 from radixserve.protocol import KvBlockEvents, KvBlocksStored, unpack_i32
-
-logger = logging.getLogger(__name__)
 
 
 class KvEventRelay:
@@ -21,6 +19,7 @@ class KvEventRelay:
         self.dp_size = dp_size
         self.publishers: dict[int, object] = {}
         self.pending: dict[int, list[KvBlockEvents]] = {rank: [] for rank in range(dp_size)}
+        self.lock = threading.Lock()  # Dynamo may hand a publisher over from its own thread: keep each rank in order
 
     def sources(self) -> list:
         """One PushSource per replica (LLMEngine.kv_event_sources)."""
@@ -28,16 +27,18 @@ class KvEventRelay:
         return [PushSource(on_ready=partial(self._ready, rank), dp_rank=rank) for rank in range(self.dp_size)]
 
     def _ready(self, rank: int, publisher) -> None:
-        self.publishers[rank] = publisher
-        for message in self.pending.pop(rank, []):
-            self.publish(message)
+        with self.lock:
+            for message in self.pending.pop(rank, []):
+                publisher.publish_batch([self._event(e) for e in message.events])
+            self.publishers[rank] = publisher
 
     def publish(self, message: KvBlockEvents) -> None:
-        publisher = self.publishers.get(message.dp_rank)
-        if publisher is None:
-            self.pending.setdefault(message.dp_rank, []).append(message)
-            return
-        publisher.publish_batch([self._event(e) for e in message.events])
+        with self.lock:
+            publisher = self.publishers.get(message.dp_rank)
+            if publisher is None:
+                self.pending.setdefault(message.dp_rank, []).append(message)
+                return
+            publisher.publish_batch([self._event(e) for e in message.events])
 
     def _event(self, event) -> dict:
         if not isinstance(event, KvBlocksStored):
@@ -48,4 +49,5 @@ class KvEventRelay:
                 "cache_salt": event.cache_salt}
 
     def close(self) -> None:
-        self.publishers.clear()
+        with self.lock:
+            self.publishers.clear()
