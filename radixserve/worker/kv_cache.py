@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import weakref
 
 import numpy as np
 import torch
@@ -157,10 +158,14 @@ def pinned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     nbytes = count * torch.empty((), dtype=dtype).element_size()
     mapping = mmap.mmap(-1, nbytes)
     t = torch.frombuffer(mapping, dtype=dtype, count=count).view(shape)  # (keeps the mapping alive)
-    err = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0))
+    cudart = torch.cuda.cudart()
+    err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
     if err != 0:
         raise RuntimeError(f"cannot page-lock {nbytes / 1e9:.1f} GB of host memory for the host KV pool "
                            f"(cudaHostRegister error {err})")
+    # Unregistered when the mapping goes (the tensor's storage holds it): the next pool's mapping may get the same
+    # addresses, and registering them again fails (error 712, seen with a second pool in one process).
+    weakref.finalize(mapping, cudart.cudaHostUnregister, t.data_ptr())
     return t
 
 
