@@ -109,8 +109,12 @@ def resolve_api_key(args: ServerArgs) -> None:
         if not lines or not lines[0].strip():
             raise LaunchError(f"--api-key-file {args.api_key_file} is empty")
         args.api_key, args.api_key_file = lines[0].strip(), None
-    elif args.api_key is None and os.environ.get(API_KEY_ENV):
+    elif args.api_key is None and API_KEY_ENV in os.environ:
         args.api_key = os.environ[API_KEY_ENV].strip()
+    if args.api_key is not None and not args.api_key.strip():
+        # Without a key every route is open: a key that came out empty ("$(cat missing-file)") must not do that.
+        raise LaunchError(f"the API key is empty (--api-key or ${API_KEY_ENV}): give a key, or leave both unset to "
+                          f"serve without one")
 
 
 def single_node_loopback_env() -> dict[str, str]:

@@ -16,6 +16,10 @@ from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 from tokenizer_service.errors import error_json
 
 
+# What the callbacks do not count of a head: the request line's method and version, and the line ends.
+HEAD_FRAMING_BYTES = 64
+
+
 class _HeadTooLarge(Exception):
     pass
 
@@ -25,12 +29,12 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._in_head, self._head_bytes, self._head_too_large = False, 0, False
+        self._in_head, self._head_bytes, self._raw_head_bytes, self._head_too_large = False, 0, 0, False
 
     # Callbacks of the parser: count what the head holds so far.
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_head, self._head_bytes = True, 0
+        self._in_head, self._head_bytes, self._raw_head_bytes = True, 0, 0
 
     def on_url(self, url: bytes) -> None:
         self._count(len(url))
@@ -55,9 +59,14 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
             if self._in_head:
-                # The parser buffers a header until it is complete: count raw bytes too, so that one endless header
-                # line is refused before it fills memory.
-                self._count(len(data))
+                # The parser buffers a header until it is complete: count the raw bytes of a head still arriving
+                # too, so that one endless header line is refused before it fills memory. Apart from the callbacks'
+                # count, which sees the same bytes again once their header is complete: added to it, a head that
+                # arrived in several pieces counted up to twice its size.
+                self._raw_head_bytes += len(data)
+                if self._raw_head_bytes > self.max_head_bytes + HEAD_FRAMING_BYTES:
+                    self._head_too_large = True
+                    raise _HeadTooLarge
         except (httptools.HttpParserError, _HeadTooLarge) as e:
             if self._head_too_large:
                 self._send_error(431, f"Request header fields too large: the request line and headers may hold at "
