@@ -133,6 +133,17 @@ class Scheduler(AdmissionMixin, MemoryPressureMixin, ResultsMixin):
         if self.long is not None and self.long.takes(req):
             self.long.check(req)
             req.offloaded = True
+        if self.tree.pinned_size:
+            # Pinned prefixes hold their slots for good: a request has the rest of the pool, plus what it shares of
+            # them. Refused now rather than failed midway with a 500 once its KV no longer fits.
+            room = self.slot_allocator.num_total - self.tree.pinned_size
+            need = total - self.tree.pinned_prefix_len(req.prompt_ids, namespace=req.cache_salt)
+            if need > room:
+                raise ValueError(f"The KV cache holds {self.slot_allocator.num_total} tokens, of which "
+                                 f"{self.tree.pinned_size} are pinned (POST /v1/cache/pin, --pin-prompts): this "
+                                 f"request needs {need} more ({len(req.prompt_ids)} in the prompt, "
+                                 f"{req.params.max_new_tokens} for the completion, less what it shares of the pinned "
+                                 f"prefixes), above the {room} left.")
         if any(req.params.stop):
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer, and this scheduler was started without one")

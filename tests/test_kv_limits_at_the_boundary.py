@@ -114,3 +114,26 @@ def test_pin_ttl_at_the_limit(http):
         error = assert_error_response(pin(http, ids(1200, 8), ttl_seconds=ttl), 400,
                                       f"ttl_seconds must be a number in (0, {MAX_TTL_S:.0f}]")
         assert error["param"] == "ttl_seconds"
+
+
+def test_pinned_tokens_leave_the_rest_of_the_pool(http, server):
+    """With half the pool pinned, a request has the other half plus what it shares of the pinned prefix: exactly that
+    runs, one token more is a 400 naming the pins (it once ran, then failed midway with a 500)."""
+    made = ok(pin(http, ids(1300, MAX_PINNED)))
+    room = POOL - MAX_PINNED
+    reply = ok(http.post(C, json={"prompt": ids(2000, room - 4), "max_tokens": 4, "ignore_eos": True}))
+    assert reply["usage"]["completion_tokens"] == 4
+    error = assert_error_response(http.post(C, json={"prompt": ids(2000, room - 4), "max_tokens": 5}), 400,
+                                  f"of which {MAX_PINNED} are pinned", f"needs {room + 1} more", f"above the {room} left")
+    assert "--pin-prompts" in error["message"]
+    # Over the pinned prefix: only its own tokens count against what is left.
+    shared = ids(1300, MAX_PINNED) + ids(3000, 10)
+    reply = ok(http.post(C, json={"prompt": shared, "max_tokens": room - 10, "ignore_eos": True}))
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == MAX_PINNED
+    # Over half of it: the other half counts too.
+    half = ids(1300, MAX_PINNED // 2) + ids(4000, 40)
+    fits = room + MAX_PINNED // 2 - len(half)  # prompt + completion - the 32 shared tokens == room
+    ok(http.post(C, json={"prompt": half, "max_tokens": fits, "ignore_eos": True}))
+    assert_error_response(http.post(C, json={"prompt": half, "max_tokens": fits + 1}), 400, f"needs {room + 1} more")
+    assert http.delete(f"/v1/cache/pin/{made['id']}").status_code == 200
+    assert server.server_info()["kv_invariant_ok"]

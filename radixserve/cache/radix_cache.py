@@ -297,6 +297,21 @@ class RadixCache:
         """The k cached prefixes with the most tokens, across namespaces (the dashboard)."""
         return tree_inspection.largest_prefixes(self, k)
 
+    def pinned_prefix_len(self, tokens, namespace: str | None = None) -> int:
+        """How many leading tokens of `tokens` lie in pinned nodes of `namespace` (slots a request would share
+        rather than need), read without touching anything."""
+        tokens = np.asarray(tokens, dtype=np.int32)
+        node, pos = self._roots.get(namespace), 0
+        while node is not None and pos < len(tokens):
+            node = node.children.get(int(tokens[pos]))
+            if node is None or node.pin_ref == 0:
+                break
+            matched = common_prefix_len(node.key, tokens[pos:])
+            pos += matched
+            if matched < len(node.key):
+                break
+        return pos
+
     def check_invariants(self) -> None:
         """Walk the whole tree and verify every bookkeeping field (tests and idle-time audits only)."""
         tree_inspection.check_invariants(self)
