@@ -33,19 +33,23 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
     # do at W1's 1,152 tokens on an H100. Both modes at once: one child process each.
     common = ["-m", "bench.kernel_variants", "--in-process", "--shape", "2", "4", "16", "2", "4", "--runs", "3,0",
               "--min-split-tokens", "8"]
-    children = {mode: _interpreted(*common, "--modes", mode) for mode in ("on", "off")}
+    # Mode on also turns on the opt-in kernels (one-launch decode, fused layer kernels), so that the audit covers them.
+    opt_in = '{"enable_one_launch_decode": true, "enable_fused_layer_kernels": true}'
+    children = {"on": _interpreted(*common, "--modes", "on", "--engine-args", opt_in),
+                "off": _interpreted(*common, "--modes", "off")}
     outputs = {mode: child.communicate(timeout=300)[0] for mode, child in children.items()}
     for mode, out in outputs.items():
         print(out[-6000:])
         assert "0 variant keys first launched after the warm-up run" in out, out[-6000:]
         assert children[mode].returncode == 0, out[-6000:]
         assert "run 2 (all at once): 0 new variant keys" in out
-    # Not vacuous: the warm-up ran every kernel of the decode step: the grouped decode's one launch in mode on, the
-    # plain decode's split and merge kernels in mode off.
+    # Not vacuous: the warm-up ran every kernel of the decode step: in mode on the grouped decode's one launch and the
+    # fused layer kernels, in mode off the plain decode's split and merge kernels and the unfused ones.
+    kernels = {"on": ("_decode_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(", "_silu_and_mul_kernel("),
+               "off": ("_decode_split_kernel(", "_decode_merge_kernel(", "_rope_kernel(", "_store_kv_kernel(",
+                       "_silu_and_mul_kernel(")}
     for mode, out in outputs.items():
-        decode = ("_decode_kernel(",) if mode == "on" else ("_decode_split_kernel(", "_decode_merge_kernel(")
-        for name in (*decode, "_extend_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(",
-                     "_silu_and_mul_kernel(", "_rmsnorm_kernel("):
+        for name in (*kernels[mode], "_extend_kernel(", "_rmsnorm_kernel("):
             assert name in out, (mode, name)
 
 
