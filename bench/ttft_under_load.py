@@ -78,7 +78,9 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int) -> dic
     start = time.perf_counter()
     stream = await client.chat.completions.create(
         model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        stream_options={"include_usage": True},
+        # Dummy weights may sample special tokens only, whose text is empty when skipped: time them too.
+        extra_body={"ignore_eos": True, "skip_special_tokens": False})
     times, usage = [], None
     async for chunk in stream:
         if chunk.usage is not None:

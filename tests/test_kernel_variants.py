@@ -45,7 +45,8 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
         assert "run 2 (all at once): 0 new variant keys" in out
     # Not vacuous: the warm-up ran every kernel of the decode step: in mode on the grouped decode's one launch and the
     # fused layer kernels, in mode off the plain decode's split and merge kernels and the unfused ones.
-    kernels = {"on": ("_decode_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(", "_silu_and_mul_kernel("),
+    kernels = {"on": ("_decode_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(",
+                      "_silu_and_mul_kernel("),
                "off": ("_decode_split_kernel(", "_decode_merge_kernel(", "_rope_kernel(", "_store_kv_kernel(",
                        "_silu_and_mul_kernel(")}
     for mode, out in outputs.items():
