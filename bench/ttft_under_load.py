@@ -87,11 +87,13 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int) -> dic
             usage = chunk.usage
         if chunk.choices and chunk.choices[0].delta.content:
             times.append(time.perf_counter())
-    if not times or usage is None:
-        raise RuntimeError("a stream ended without content or usage")
+    if usage is None:
+        raise RuntimeError("a stream ended without usage")
     details = getattr(usage, "prompt_tokens_details", None)
-    return {"ttft": times[0] - start, "gaps": np.diff(times).tolist(), "end": time.time(),
-            "decode_s": times[-1] - times[0], "completion_tokens": usage.completion_tokens,
+    # No text at all (dummy weights can sample ids past the tokenizer's vocabulary, which decode to nothing): no
+    # time to its first token can be seen; counted apart (no_text_requests).
+    return {"ttft": times[0] - start if times else None, "gaps": np.diff(times).tolist(), "end": time.time(),
+            "decode_s": times[-1] - times[0] if times else 0.0, "completion_tokens": usage.completion_tokens,
             "prompt_tokens": usage.prompt_tokens, "cached_tokens": getattr(details, "cached_tokens", 0) or 0}
 
 
@@ -130,7 +132,8 @@ def burst(pool, procs: int, url: str, model: str, chats: list[list[dict]], ns) -
     failed = [r["error"] for r in results if "error" in r]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(results)} requests failed, the first with {failed[0]}")
-    ttfts = np.array([r["ttft"] for r in results]) * 1e3
+    seen = [r for r in results if r["ttft"] is not None]
+    ttfts = np.array([r["ttft"] for r in seen]) * 1e3
     gaps = np.array([g for r in results for g in r["gaps"]] or [float("nan")]) * 1e3
     tokens = sum(r["completion_tokens"] for r in results)
     seconds = max(r["end"] for r in results) - start_at
@@ -140,7 +143,8 @@ def burst(pool, procs: int, url: str, model: str, chats: list[list[dict]], ns) -
             "itl_mean_ms": round(float(gaps.mean()), 2), "itl_p50_ms": round(float(np.percentile(gaps, 50)), 2),
             "itl_p99_ms": round(float(np.percentile(gaps, 99)), 2),
             "tpot_ms": round(1e3 * statistics.mean(r["decode_s"] / max(1, r["completion_tokens"] - 1)
-                                                    for r in results), 2),
+                                                    for r in seen), 2),
+            "no_text_requests": len(results) - len(seen),
             "output_tok_per_s": round(tokens / seconds, 1), "requests_per_s": round(len(results) / seconds, 2),
             "prompt_tokens_mean": round(statistics.mean(r["prompt_tokens"] for r in results), 1),
             "cached_share": round(sum(r["cached_tokens"] for r in results) /
