@@ -34,23 +34,7 @@ SUMMARY="$OUT/summary.txt"
 } | tee "$SUMMARY"
 FAILED=0
 
-step() {  # step NAME CAP COMMAND...: COMMAND's output to $OUT/NAME.log, at most CAP seconds (or the budget left)
-  local name=$1 cap=$2
-  shift 2
-  local left=$((BUDGET - ($(date +%s) - START)))
-  local limit=$((cap < left ? cap : left))
-  if [ "$limit" -lt 20 ]; then
-    echo "$name: skipped, budget spent" | tee -a "$SUMMARY"
-    return
-  fi
-  echo "== $name (at most ${limit}s)"
-  local t0
-  t0=$(date +%s)
-  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
-  local rc=$?
-  [ "$rc" -ne 0 ] && FAILED=1
-  echo "$name: exit $rc after $(($(date +%s) - t0))s$([ "$rc" -eq 124 ] && echo ' (cut at its limit)')" | tee -a "$SUMMARY"
-}
+. "$(dirname "$0")/gpu_round_step.sh"
 
 step 1-correctness 120 bash -c '
   python3 -m bench.check_kernels_gpu --only-fused || rc=1

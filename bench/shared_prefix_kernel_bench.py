@@ -32,7 +32,7 @@ sys.path.insert(0, ROOT)
 import torch  # noqa: E402
 
 from bench.shared_prefix_batches import (graph_padded, kv_bytes, layer_copies, make_grouped_batch,  # noqa: E402,F401
-                                         own_bytes, plain_args, prefix_bytes, rel_err, run_grouped, run_plain)
+                                         own_bytes, prefix_bytes, rel_err, run_grouped, run_plain)
 
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 GEOMETRIES = {"W1": (8, 16, 1024, 128), "gsp": (8, 16, 2048, 128)}  # groups, members, prefix, own tokens

@@ -17,6 +17,7 @@ kernels/triton_mlp.py). The torch twins compute the same functions whatever the 
 """
 
 import os
+import sys
 import types
 
 import torch.nn.functional as F
@@ -196,12 +197,8 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, ep
     if _use_reference(q) or OPTIONS["fused_qkv"]:
         return _fused_impl(q).qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache,
                                                  v_cache, out_cache_loc)
-    if q_weight is not None:
-        d = q.shape[-1]
-        q.copy_(rmsnorm(q.reshape(-1, d), q_weight, eps).view(q.shape))
-        k.copy_(rmsnorm(k.reshape(-1, d), k_weight, eps).view(k.shape))
-    rope(q, k, positions, cos_sin_cache)
-    store_kv(k, v, k_cache, v_cache, out_cache_loc)
+    reference.qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache,
+                                 out_cache_loc, ops=sys.modules[__name__])  # the four kernels it replaces
 
 
 def gate_up_silu(x, weight):

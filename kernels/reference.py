@@ -6,6 +6,8 @@ Lengths are read back to the host (`.tolist()`), which is free on the CPU and ac
 "reference" ablation backend on the GPU.
 """
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -112,16 +114,20 @@ def silu_and_mul(x):
     return (F.silu(x[..., :inter].float()) * x[..., inter:].float()).to(x.dtype)
 
 
-def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc):
+def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc,
+                       ops=None):
     """The unfused sequence itself, in place: per-head RMSNorm of q and k (when given weights), RoPE, the K/V store.
     The same ops in the same order as the layers ran them before the fusion: on the CPU the result is bit for bit
-    what it was (the norms' outputs are copied back into q/k instead of replacing them, a copy of equal dtype)."""
+    what it was (the norms' outputs are copied back into q/k instead of replacing them, a copy of equal dtype).
+    ops: where rmsnorm, rope and store_kv come from (this module's twins by default; kernels' dispatch for the GPU's
+    unfused path)."""
+    ops = ops or sys.modules[__name__]
     if q_weight is not None:
         d = q.shape[-1]
-        q.copy_(rmsnorm(q.reshape(-1, d), q_weight, eps).view(q.shape))
-        k.copy_(rmsnorm(k.reshape(-1, d), k_weight, eps).view(k.shape))
-    rope(q, k, positions, cos_sin_cache)
-    store_kv(k, v, k_cache, v_cache, out_cache_loc)
+        q.copy_(ops.rmsnorm(q.reshape(-1, d), q_weight, eps).view(q.shape))
+        k.copy_(ops.rmsnorm(k.reshape(-1, d), k_weight, eps).view(k.shape))
+    ops.rope(q, k, positions, cos_sin_cache)
+    ops.store_kv(k, v, k_cache, v_cache, out_cache_loc)
 
 
 def gate_up_silu(x, weight):

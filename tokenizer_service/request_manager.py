@@ -146,6 +146,9 @@ class RequestManager:
         """max_in_flight: --max-queued-requests; max_per_request: --max-sequences-per-request (None: no cap)."""
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self._ttfts: list[float] = []  # per-token figures of the batch being handled (_on_batch)
+        self._itls: list[float] = []
+        self._tokens = 0
         self.max_in_flight = max_in_flight
         self.max_per_request = max_per_request
         self.engine_dead_s = engine_dead_s
