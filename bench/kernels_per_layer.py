@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import kernels
-from bench.gpu_timing import capture, launched_kernels, replay_seconds
+from bench.gpu_timing import capture, kernel_times, launched_kernels, replay_seconds
 from radixserve.config import ModelConfig
 from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
 from radixserve.layers.linear import set_gemm_split_k
@@ -38,6 +38,8 @@ OPTION_SETS = {
     "fused, no split-K": ({}, False),
     "fused, no split-K, gate/up unfused": (dict(gate_up_silu_max_rows=0), False),
     "fused, no split-K, gate/up fused to 128 rows": (dict(gate_up_silu_max_rows=128), False),
+    "Q/K fused only": (dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=0), True),
+    "Q/K fused, gate/up fused to 16 rows": (dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=16), True),
 }
 BATCHES = {"bs1": (1, 0, 1024), "bs16": (16, 0, 1024), "W1": (128, 1024, 128)}  # requests, shared prefix, own
 CONTEXT_LEN = 40960
@@ -124,12 +126,18 @@ def layer_kernels(model, cfg, ctx, requests: int) -> list[str]:
         set_forward_context(None)
 
 
-def step(model, ctx, input_ids, positions):
+def step(model, ctx, input_ids, positions, breakdown=False):
     set_forward_context(ctx)
     try:
         with torch.inference_mode():
             graph = capture(lambda: model.compute_logits(model(input_ids, positions)))
             seconds = replay_seconds(graph, reps=20)
+            if breakdown:  # each kernel's device time in one step, largest total first
+                times = kernel_times(graph.replay)
+                rows = sorted(times.items(), key=lambda kv: -kv[1][0] * kv[1][1])
+                print(f"      step kernels: {sum(t * n for t, n in times.values()) * 1e6:.0f} us of device time")
+                for name, (t, n) in rows[:14]:
+                    print(f"      {t * n * 1e6:8.1f} us  {n:5.0f} x {t * 1e6:6.2f} us  {name[:70]}")
             graph.replay()
             torch.cuda.synchronize()
             logits = model.compute_logits(model(input_ids, positions)).float()
@@ -148,7 +156,7 @@ def apply(options, split_k):
     set_gemm_split_k(split_k)
 
 
-def run(configs, batches, option_sets, lines):
+def run(configs, batches, option_sets, lines, breakdown=False):
     results = {}
     for config in configs:
         model, cfg = build_model(config)
@@ -160,7 +168,7 @@ def run(configs, batches, option_sets, lines):
                 options, split_k = OPTION_SETS[name]
                 apply(options, split_k)
                 names = layer_kernels(model, cfg, ctx, requests)
-                seconds, logits = step(model, ctx, input_ids, positions)
+                seconds, logits = step(model, ctx, input_ids, positions, breakdown)
                 if baseline is None:
                     baseline = logits
                 err = ((logits - baseline).norm() / baseline.norm()).item()
@@ -184,6 +192,7 @@ def main() -> int:
     parser.add_argument("--configs", nargs="+", default=["qwen3-8b", "qwen3-0.6b"])
     parser.add_argument("--batches", nargs="+", default=list(BATCHES), choices=list(BATCHES))
     parser.add_argument("--option-sets", nargs="+", default=list(OPTION_SETS), choices=list(OPTION_SETS))
+    parser.add_argument("--breakdown", action="store_true", help="print each kernel's device time in the step")
     parser.add_argument("--out", help="markdown report")
     parser.add_argument("--json-out")
     ns = parser.parse_args()
@@ -195,7 +204,7 @@ def main() -> int:
              "|---|---|---|---|---|---|---|"]
     if ns.option_sets[0] != "unfused (before)":
         ns.option_sets.insert(0, "unfused (before)")  # the baseline the others are compared with
-    results = run(ns.configs, ns.batches, ns.option_sets, lines)
+    results = run(ns.configs, ns.batches, ns.option_sets, lines, ns.breakdown)
     if ns.out:
         with open(ns.out, "w") as f:
             f.write("\n".join(lines) + "\n")
