@@ -2,7 +2,7 @@
 wait until each reports ready, print the URL, and supervise. If any child dies the others are stopped, the reason
 is printed and we exit non-zero, and so it is when one hangs (--watchdog-timeout); SIGINT/SIGTERM stop everything
 within a few seconds. With --nnodes > 1 the same command runs on every node: node 0 as above with its share of the
-ranks, the others only their workers (radixserve/node_link.py); a node's failure ends them all."""
+ranks, the others only their workers (radixserve/runtime/node_link.py); a node's failure ends them all."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import signal
 import sys
 
 from radixserve.config import ServerArgs
-from radixserve.launcher import Launcher
-from radixserve.node_link import ranks_on_node
+from radixserve.runtime.launcher import Launcher
+from radixserve.runtime.node_link import ranks_on_node
 
 
 def main(argv: list[str] | None = None) -> int:

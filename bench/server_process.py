@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from radixserve.launcher import free_port
+from radixserve.runtime.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
-from radixserve.process_util import process_tree_argv
+from radixserve.runtime.process_util import process_tree_argv
 from radixserve.testing.tiny_models import tiny_model_dir
 
 from bench.server_process import start_server

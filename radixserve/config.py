@@ -215,7 +215,7 @@ class ServerArgs:
             raise ValueError("--dp-size > 1 with --nnodes > 1 is not supported: run one server per node group and "
                              "put sglang-router in front")
         if self.nnodes > 1 or self.node_rank != 0:
-            from radixserve.node_link import check_multi_node_args  # the multi-node rules live with the links
+            from radixserve.runtime.node_link import check_multi_node_args  # the multi-node rules live with the links
             check_multi_node_args(self)
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")

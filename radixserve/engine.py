@@ -1,7 +1,7 @@
 """Offline generation without HTTP (like nano-vllm's LLM.generate).
 
 `Engine` starts the same scheduler and worker processes as the server (tensor parallelism included), by module name
-through radixserve.launcher, and takes the tokenizer process's place on the sockets. `InProcessEngine`
+through radixserve.runtime.launcher, and takes the tokenizer process's place on the sockets. `InProcessEngine`
 (scheduler_service/in_process_engine.py, so that this library imports no service) runs the scheduler and one model
 runner inside the calling process. Both share EngineBase's generation loop: tokenize, validate, queue every request
 at once, and run each output through the request's RequestPipeline (radixserve/request_pipeline.py), the same code
@@ -19,7 +19,7 @@ import numpy as np
 from tqdm import tqdm
 
 from radixserve.config import ModelConfig, ServerArgs
-from radixserve.launcher import resolve_model_dir
+from radixserve.runtime.launcher import resolve_model_dir
 from radixserve.protocol import RequestOutput, TokenLogprobs
 from radixserve.request_pipeline import RequestPipeline, SequenceResult
 from radixserve.request_validation import check_request
@@ -141,8 +141,8 @@ class Engine(EngineBase):
     def __init__(self, model: str | None = None, **server_args):
         import zmq
 
-        from radixserve.ipc import Channel
-        from radixserve.launcher import Launcher
+        from radixserve.runtime.ipc import Channel
+        from radixserve.runtime.launcher import Launcher
         from radixserve.protocol import SchedulerToTokenizer
 
         super().__init__(model, server_args)

@@ -338,7 +338,7 @@ ChildToLauncher = ProcessReady | ProcessFailed | Heartbeat
 
 
 # ---------------------------------------------------------------- between the launchers of a multi-node server
-# (radixserve/node_link.py; over CURVE-authenticated tcp)
+# (radixserve/runtime/node_link.py; over CURVE-authenticated tcp)
 
 class NodeBeat(msgspec.Struct, tag=True):
     """Sent by every node's launcher twice a second: it is alive, and whether all its processes are ready."""

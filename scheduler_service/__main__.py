@@ -1,4 +1,4 @@
-from radixserve.process_util import run_child
+from radixserve.runtime.process_util import run_child
 from scheduler_service.process import run_scheduler
 
 if __name__ == "__main__":

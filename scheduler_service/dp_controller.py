@@ -12,9 +12,9 @@ import msgspec
 import zmq
 
 from radixserve.config import ServerArgs
-from radixserve.data_parallel import replica_endpoints
-from radixserve.ipc import Channel, Endpoints
-from radixserve.process_util import run_child
+from radixserve.runtime.data_parallel import replica_endpoints
+from radixserve.runtime.ipc import Channel, Endpoints
+from radixserve.runtime.process_util import run_child
 from radixserve.protocol import KvBlockEvents
 from radixserve.protocol import (AbortRequest, BatchOutput, CacheEvents, FlushCacheRequest, FlushCacheResult,
                                  ReplicaToController, SchedulerLoad, ServerInfo, ServerInfoRequest, TokenizedRequest,

@@ -11,7 +11,7 @@ import logging
 from collections import deque
 from typing import Protocol
 
-from radixserve.ipc import Channel
+from radixserve.runtime.ipc import Channel
 from radixserve.protocol import ForwardBatch, SampledTokens
 from radixserve.worker.step_pipeline import StepPipeline
 

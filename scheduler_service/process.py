@@ -9,8 +9,8 @@ import time
 import zmq
 
 from radixserve.config import ModelConfig, ServerArgs
-from radixserve.heartbeat import progress
-from radixserve.ipc import Channel, Endpoints
+from radixserve.runtime.heartbeat import progress
+from radixserve.runtime.ipc import Channel, Endpoints
 from radixserve.protocol import (AbortRequest, BatchOutput, CacheStatsRequest, FlushCacheRequest, FlushCacheResult,
                                  SchedulerLoad, ServerInfo, ServerInfoRequest, Shutdown, TokenizedRequest,
                                  TokenizerToScheduler, WorkerReady, WorkerToScheduler, unpack_i32)
@@ -75,7 +75,7 @@ class SchedulerProcess:
             self._receive_requests(block=not self.loop.has_work())
             if self.loop.has_work():
                 # schedule -> batch to every rank -> (overlapped: the previous step's) tokens -> process_results
-                progress.begin()  # launch.py's watchdog times each step (radixserve/heartbeat.py)
+                progress.begin()  # launch.py's watchdog times each step (radixserve/runtime/heartbeat.py)
                 outputs = self.loop.step()
                 # Prefixes computed for a pin are pinned here; their requests' outputs are not the front end's.
                 outputs, pin_replies = self.cache_control.take_outputs(outputs)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import httpx
-from radixserve.launcher import free_port
+from radixserve.runtime.launcher import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STARTUP_TIMEOUT_S = 180

@@ -16,7 +16,7 @@ import pytest
 
 from http_checks import assert_error_response, assert_openai_error, raw_request
 from radixserve.config import ServerArgs
-from radixserve.launcher import resolve_api_key
+from radixserve.runtime.launcher import resolve_api_key
 from radixserve.testing.tiny_models import tiny_model_dir
 from server_fixture import REPO_ROOT, LaunchedServer
 

@@ -19,7 +19,7 @@ from dynamo.llm import KvRouter, KvRouterConfig
 from transformers import AutoTokenizer
 from dynamo.runtime import DistributedRuntime
 
-from radixserve.process_util import process_tree_argv
+from radixserve.runtime.process_util import process_tree_argv
 
 from dynamo_fixture import BLOCK, MODEL, MODEL_DIR, Worker, dynamo_env, wait_for
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixserve.process_util import process_tree_argv
+from radixserve.runtime.process_util import process_tree_argv
 from radixserve.testing.tiny_models import tiny_model_dir
 from server_fixture import LaunchedServer
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from radixserve.testing.tiny_models import tiny_model_dir
-from radixserve.launcher import free_port
+from radixserve.runtime.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 # The launcher notices a death within 50 ms and tells the HTTP process (0.05-0.2 s seen on a loaded 2-core machine).

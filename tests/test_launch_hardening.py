@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixserve.process_util import process_tree_argv
+from radixserve.runtime.process_util import process_tree_argv
 from radixserve.testing.tiny_models import tiny_model_dir
 from server_fixture import LaunchedServer
 
@@ -131,7 +131,7 @@ def test_every_listening_socket_binds_the_configured_host(server):
 
 
 def test_cpu_workers_keep_their_freed_memory(server):
-    """A CPU worker's malloc keeps each step's freed memory for the next (radixserve/launcher.py
+    """A CPU worker's malloc keeps each step's freed memory for the next (radixserve/runtime/launcher.py
     cpu_worker_malloc_env): by default glibc hands part of it back and the worker's RSS saw-tooths
     (bench/results/soak-cpu.md)."""
     workers = [pid for pid, cmd in process_tree(server.process.pid).items() if "radixserve.worker" in cmd]

@@ -114,7 +114,7 @@ def test_admission_names_the_limits(model_dir):
 
 
 def test_host_memory_is_checked_at_start_up():
-    from radixserve.preflight import LaunchError, check_host_memory
+    from radixserve.runtime.preflight import LaunchError, check_host_memory
 
     check_host_memory(2.0, 1, available=int(3e9))
     with pytest.raises(LaunchError, match=r"--hicache-size 2 GB of host KV per rank \(4 ranks on this node\) needs "

@@ -18,10 +18,10 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from radixserve.ipc import Endpoints, make_ipc_dir
-from radixserve.launcher import free_port
-from radixserve.node_keys import SECRET_ENV, derive_keys
-from radixserve.node_link import BEAT_INTERVAL_S, NodeLinks, connection_lost, link_ports
+from radixserve.runtime.ipc import Endpoints, make_ipc_dir
+from radixserve.runtime.launcher import free_port
+from radixserve.runtime.node_keys import SECRET_ENV, derive_keys
+from radixserve.runtime.node_link import BEAT_INTERVAL_S, NodeLinks, connection_lost, link_ports
 from radixserve.protocol import WorkerReady
 from radixserve.testing.tiny_models import tiny_model_dir
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from radixserve.config import ServerArgs
-from radixserve.launcher import Launcher, free_port, resolve_api_key
-from radixserve.preflight import LaunchError, check_devices
+from radixserve.runtime.launcher import Launcher, free_port, resolve_api_key
+from radixserve.runtime.preflight import LaunchError, check_devices
 from radixserve.testing.tiny_models import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]

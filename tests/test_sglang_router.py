@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from radixserve.launcher import free_port
+from radixserve.runtime.launcher import free_port
 from radixserve.testing.tiny_models import tiny_model_dir
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from radixserve.config import ServerArgs
 from radixserve.protocol import ForwardBatch, WorkerRequest, pack_i32
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import tiny_model_dir
-from radixserve.launcher import free_port
+from radixserve.runtime.launcher import free_port
 
 
 
@@ -27,7 +27,7 @@ def make_batch() -> ForwardBatch:
 
 
 def run_rank(rank, world, port, model_dir, out_path):
-    from radixserve.distributed import destroy_tensor_parallel, init_tensor_parallel
+    from radixserve.runtime.distributed import destroy_tensor_parallel, init_tensor_parallel
     from radixserve.worker.model_runner import ModelRunner
 
     torch.set_num_threads(1)

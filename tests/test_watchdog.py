@@ -1,12 +1,12 @@
-"""Whom the launcher's watchdog blames, from the heartbeats alone (radixserve/launcher.py find_hung). The children
-are real processes (`sleep`) so that the liveness check is the real one; the heartbeats are what a worker, the
+"""Whom the launcher's watchdog blames, from the heartbeats alone (radixserve/runtime/launcher.py find_hung). The
+children are real processes (`sleep`) so that the liveness check is the real one; the heartbeats are what a worker, the
 scheduler and the tokenizer send. The end-to-end path (SIGSTOP of a worker) is in tests/test_launch_hardening.py."""
 
 import subprocess
 
 import pytest
 
-from radixserve.launcher import Child, find_hung
+from radixserve.runtime.launcher import Child, find_hung
 from radixserve.protocol import Heartbeat
 
 TIMEOUT = 10.0

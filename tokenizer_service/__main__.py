@@ -1,4 +1,4 @@
-from radixserve.process_util import run_child
+from radixserve.runtime.process_util import run_child
 from tokenizer_service.server import serve
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from radixserve.ipc import AsyncChannel, Endpoints
+from radixserve.runtime.ipc import AsyncChannel, Endpoints
 from radixserve.protocol import EngineFailed
 from radixserve.protocol import CacheStats, CacheStatsRequest
 from radixserve.protocol import ListPinsRequest, PinPrefixRequest, PinsReply, UnpinPrefixRequest

@@ -24,7 +24,7 @@ import uvicorn
 import uvloop
 
 from radixserve.config import ModelConfig, ServerArgs
-from radixserve.ipc import Endpoints
+from radixserve.runtime.ipc import Endpoints
 from radixserve.tokenizer_loading import load_tokenizer
 from tokenizer_service.app import ServingContext, build_app
 from tokenizer_service.http_protocol import protocol_class

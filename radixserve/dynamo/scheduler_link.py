@@ -20,8 +20,8 @@ import zmq
 import zmq.asyncio
 
 from radixserve.config import ServerArgs
-from radixserve.ipc import AsyncChannel
-from radixserve.launcher import Launcher
+from radixserve.runtime.ipc import AsyncChannel
+from radixserve.runtime.launcher import Launcher
 from radixserve.protocol import (AbortRequest, BatchOutput, FlushCacheRequest, FlushCacheResult, KvBlockEvents,
                                  PinsReply, RequestOutput, SchedulerToTokenizer, ServerInfo, ServerInfoRequest,
                                  TokenizedRequest)
@@ -105,7 +105,7 @@ class SchedulerLink:
             queue.put_nowait(EngineFailure(self.failure))
             return queue
         self.streams[request.rid] = queue
-        # Never blocks: no high-water mark on the PUSH (radixserve/ipc.py), so the future can be left alone.
+        # Never blocks: no high-water mark on the PUSH (radixserve/runtime/ipc.py), so the future can be left alone.
         self.to_scheduler.send(request)
         return queue
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
+from radixserve.runtime.distributed import all_gather_last_dim, all_reduce, get_tp_rank, get_tp_size
 
 
 class VocabParallelEmbedding(nn.Module):

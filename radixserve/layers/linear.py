@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from radixserve.distributed import all_reduce, get_tp_rank, get_tp_size
+from radixserve.runtime.distributed import all_reduce, get_tp_rank, get_tp_size
 from radixserve.loader import copy_whole_tensor
 
 

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from radixserve.config import ModelConfig
-from radixserve.distributed import get_tp_size
+from radixserve.runtime.distributed import get_tp_size
 from radixserve.layers.activation import gate_up_silu
 from radixserve.layers.attention import Attention
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding

@@ -1,4 +1,4 @@
-from radixserve.process_util import run_child
+from radixserve.runtime.process_util import run_child
 from radixserve.worker.worker import run_worker
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ class LayerwiseOffload:
         self.model = runner.model.model  # a LlamaModel: embed_tokens, layers, norm
         self.device, dtype = runner.device, runner.dtype
         self.num_layers = cfg.num_layers
-        from radixserve.distributed import get_tp_size
+        from radixserve.runtime.distributed import get_tp_size
         tokens = args.layerwise_offload_buffer_tokens or runner.context_len
         self.ring = LayerRing(args.layerwise_offload_ring_size, tokens, cfg.kv_heads_per_rank(get_tp_size()),
                               cfg.head_dim, dtype, self.device)

@@ -17,7 +17,7 @@ import kernels
 from radixserve.worker.kv_cache import HostKVCache, KVCache, ReqToTokenPool
 from radixserve.worker.layerwise_offload import LayerwiseOffload
 from radixserve.config import ModelConfig, ServerArgs
-from radixserve.distributed import get_tp_rank, get_tp_size
+from radixserve.runtime.distributed import get_tp_rank, get_tp_size
 from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
 from radixserve.grammar import WorkerGrammars
 from radixserve.layers.sampler import Sampler, SamplingRequestState

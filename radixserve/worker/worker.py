@@ -9,9 +9,9 @@ import torch
 import zmq
 
 from radixserve.config import ServerArgs
-from radixserve.distributed import destroy_tensor_parallel, init_tensor_parallel
-from radixserve.heartbeat import progress
-from radixserve.ipc import Channel, Endpoints
+from radixserve.runtime.distributed import destroy_tensor_parallel, init_tensor_parallel
+from radixserve.runtime.heartbeat import progress
+from radixserve.runtime.ipc import Channel, Endpoints
 from radixserve.protocol import ForwardBatch, SchedulerToWorker, Shutdown, WorkerReady
 from radixserve.worker.model_runner import ModelRunner
 from radixserve.worker.profiler import StepProfiler
@@ -46,7 +46,7 @@ def run_worker(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready,
         if isinstance(message, Shutdown):
             break
         assert isinstance(message, ForwardBatch)
-        progress.begin()  # launch.py's watchdog times each batch (radixserve/heartbeat.py)
+        progress.begin()  # launch.py's watchdog times each batch (radixserve/runtime/heartbeat.py)
         done = pipeline.launch(message)
         if done is not None:
             _report(done, rank, to_scheduler)

@@ -1,6 +1,5 @@
 """The asyncio client of a radixserve server: Client's methods as coroutines, streams as async iterators. The
-documentation is radixserve/client.py's, which also exports AsyncClient (`from radixserve.client import AsyncClient`).
-"""
+documentation is the package's (radixserve/client/__init__.py; `from radixserve.client import AsyncClient`)."""
 
 from __future__ import annotations
 
@@ -10,8 +9,8 @@ from typing import Any, AsyncIterator, Callable
 
 import httpx
 
-from radixserve.client_base import DEFAULT_TIMEOUT_S, ClientBase, json_or_text
-from radixserve.client_results import (AsyncStream, ChatResult, CompletionResult, GenerateResult, Model, NativeChunks,
+from radixserve.client.shared import DEFAULT_TIMEOUT_S, ClientBase, json_or_text
+from radixserve.client.results import (AsyncStream, ChatResult, CompletionResult, GenerateResult, Model, NativeChunks,
                                        OpenAIChunks, RadixServeTimeoutError, StreamChunk, decode_event,
                                        error_from_response, parse_generate_body, parse_openai, sse_data,
                                        transport_error)

@@ -80,10 +80,10 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
 
 
 def check_node_links(args: ServerArgs) -> None:
-    """Node 0 of a multi-node server listens on the rendezvous port and the few after it (radixserve/node_link.py);
-    every node needs the shared secret."""
-    from radixserve.node_keys import read_secret
-    from radixserve.node_link import link_ports, ranks_on_node
+    """Node 0 of a multi-node server listens on the rendezvous port and the few after it (node_link.py); every
+    node needs the shared secret."""
+    from radixserve.runtime.node_keys import read_secret
+    from radixserve.runtime.node_link import link_ports, ranks_on_node
 
     try:
         read_secret(args)

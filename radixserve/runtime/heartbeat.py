@@ -12,7 +12,7 @@ import time
 
 import zmq
 
-from radixserve.ipc import Channel
+from radixserve.runtime.ipc import Channel
 from radixserve.protocol import Heartbeat
 
 

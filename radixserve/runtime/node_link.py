@@ -11,7 +11,7 @@ machine goes through relays in the two launchers, over ZeroMQ tcp, msgspec frame
     P + 3     node k -> node 0   workers' frames for the scheduler (WorkerReady)
     P + 4 + r node 0 -> rank r   the scheduler's ForwardBatches for rank r  (one PUSH per remote rank)
 
-Every tcp socket uses ZeroMQ CURVE with keys derived from a secret all nodes share (radixserve/node_keys.py), so
+Every tcp socket uses ZeroMQ CURVE with keys derived from a secret all nodes share (radixserve/runtime/node_keys.py), so
 nobody else on the network can receive batches meant for a rank or drive the workers. (A PUSH hands messages round
 robin to its peers: an unauthenticated one would take every other batch.)
 
@@ -30,8 +30,8 @@ import msgspec
 import zmq
 import zmq.auth.thread
 
-from radixserve.ipc import Endpoints
-from radixserve.node_keys import OnlyOurClient, curve_client, curve_server, derive_keys
+from radixserve.runtime.ipc import Endpoints
+from radixserve.runtime.node_keys import OnlyOurClient, curve_client, curve_server, derive_keys
 from radixserve.protocol import NodeBeat, NodeFailed, NodeStop, NodeToNode
 
 JOIN_TIMEOUT_DEFAULT_S = 600.0  # loading a large model's shard on a slow file system

@@ -1,4 +1,4 @@
-"""What Client (radixserve/client.py) and AsyncClient (radixserve/client_async.py) share: the server's address,
+"""What Client (sync_client.py) and AsyncClient (async_client.py) share: the server's address,
 key and timeouts, and the path and body of each route, built the same way whichever client sends them."""
 
 from __future__ import annotations

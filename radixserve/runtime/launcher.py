@@ -19,13 +19,13 @@ from pathlib import Path
 import zmq
 
 from radixserve.config import ServerArgs
-from radixserve.data_parallel import replica_endpoints, replica_gpus
-from radixserve.heartbeat import heartbeat_interval
-from radixserve.ipc import Channel, Endpoints, make_ipc_dir
-from radixserve.node_keys import SECRET_ENV, read_secret
-from radixserve.node_link import BEAT_INTERVAL_S, NodeLinks, Peer, is_loopback, ranks_on_node
-from radixserve.preflight import LaunchError, check_before_launch
-from radixserve.process_util import child_argv, write_child_config
+from radixserve.runtime.data_parallel import replica_endpoints, replica_gpus
+from radixserve.runtime.heartbeat import heartbeat_interval
+from radixserve.runtime.ipc import Channel, Endpoints, make_ipc_dir
+from radixserve.runtime.node_keys import SECRET_ENV, read_secret
+from radixserve.runtime.node_link import BEAT_INTERVAL_S, NodeLinks, Peer, is_loopback, ranks_on_node
+from radixserve.runtime.preflight import LaunchError, check_before_launch
+from radixserve.runtime.process_util import child_argv, write_child_config
 from radixserve.protocol import ChildToLauncher, EngineFailed, Heartbeat, ProcessFailed, ProcessReady
 
 READY_TIMEOUT_S = 900

@@ -19,8 +19,8 @@ from typing import Callable
 import zmq
 
 from radixserve.config import ServerArgs
-from radixserve.heartbeat import heartbeat_interval, start_heartbeat
-from radixserve.ipc import Channel, Endpoints
+from radixserve.runtime.heartbeat import heartbeat_interval, start_heartbeat
+from radixserve.runtime.ipc import Channel, Endpoints
 from radixserve.protocol import ProcessFailed, ProcessReady
 
 PR_SET_PDEATHSIG = 1

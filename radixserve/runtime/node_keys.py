@@ -1,6 +1,6 @@
 """The secret every node of a multi-node server shares, and the ZeroMQ CURVE keys derived from it
-(radixserve/node_link.py). The secret comes from $RADIXSERVE_DIST_SECRET or the first line of --dist-secret-file,
-never from a command line (any local user can read argv). Node 0's sockets are CURVE servers, the other nodes'
+(node_link.py). The secret comes from $RADIXSERVE_DIST_SECRET or the first line of --dist-secret-file, never
+from a command line (any local user can read argv). Node 0's sockets are CURVE servers, the other nodes'
 clients; both key pairs are a keyed hash of the secret, so every node computes the same ones and nobody without
 the secret can: such a peer cannot complete the handshake (it does not know the server key) nor pass the ZAP check
 (its client key is not the derived one)."""

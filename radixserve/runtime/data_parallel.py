@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from radixserve.ipc import Endpoints
+from radixserve.runtime.ipc import Endpoints
 
 
 def replica_endpoints(server: Endpoints, dp_rank: int) -> Endpoints:

@@ -1,6 +1,6 @@
 """What the radixserve client returns and raises: typed results of the OpenAI and native routes, streaming chunks
-and iterators, and errors that carry the server's message. The clients themselves are in radixserve/client.py and
-radixserve/client_async.py; client.py re-exports everything public here."""
+and iterators, and errors that carry the server's message. The clients themselves are in sync_client.py and
+async_client.py; the package (radixserve/client/__init__.py) exports everything public here."""
 
 from __future__ import annotations
 

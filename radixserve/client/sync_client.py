@@ -1,33 +1,5 @@
-"""Python client for a radixserve server: the OpenAI routes, the native /generate route and the admin routes, over
-httpx, with typed results, streaming iterators and errors that carry the server's message.
-
-```python
-from radixserve.client import Client
-client = Client("http://127.0.0.1:30000")
-reply = client.chat([{"role": "user", "content": "What is the capital of France?"}], max_tokens=32, temperature=0)
-print(reply.text)
-```
-
-`AsyncClient` (radixserve/client_async.py, importable from here too) has the same methods as coroutines; its
-streaming methods return async iterators.
-
-Structured replies and tools: `response_format` ({"type": "json_object"}, or {"type": "json_schema", "json_schema":
-{"name": ..., "schema": {...}}}) on chat and completions, `tools` and `tool_choice` on chat. The functions called
-are `reply.tool_calls` (ToolCall: name and parsed JSON arguments; finish_reason "tool_calls"); when streamed, the
-chunks' `tool_call_deltas`, put together by `tool_calls_from_deltas`. Example:
-`client.chat(messages, tools=[get_weather], tool_choice="required").tool_calls[0].arguments["city"]`.
-
-Streaming (`stream=True`) returns a `Stream` of `StreamChunk`s, each with the new text (`.text`, a delta, never
-cumulative). The last chunks carry `finish_reason` and, where the server reports it, `usage`: for the OpenAI routes
-the client asks for `stream_options={"include_usage": True}` unless you pass your own `stream_options`. Leaving a
-stream early (break, `close()`, the `with` block ending) closes the connection, and the server aborts the request.
-
-Errors:
-    RadixServeError            the server answered 4xx/5xx (status_code, message, type, param, code, body), or sent
-                               an error inside a stream; base class of the two below
-    RadixServeConnectionError  no connection (server down, wrong URL), or it broke mid-response
-    RadixServeTimeoutError     no answer within the timeout (connect, or the next bytes of a response)
-"""
+"""The synchronous client of a radixserve server (`Client`). The documentation is the package's,
+radixserve/client/__init__.py."""
 
 from __future__ import annotations
 
@@ -36,20 +8,11 @@ from typing import Any, Callable, Iterator
 
 import httpx
 
-from radixserve.client_async import AsyncClient
-from radixserve.client_base import DEFAULT_TIMEOUT_S, ClientBase, json_or_text
-from radixserve.client_results import (AsyncStream, ChatResult, Choice, CompletionResult, GenerateResult, Model,
-                                       NativeChunks, OpenAIChunks, RadixServeConnectionError, RadixServeError,
-                                       RadixServeTimeoutError, Stream, StreamChunk, ToolCall, Usage, decode_event,
+from radixserve.client.results import (ChatResult, CompletionResult, GenerateResult, Model, NativeChunks, OpenAIChunks,
+                                       RadixServeError, RadixServeTimeoutError, Stream, StreamChunk, decode_event,
                                        error_from_response, parse_generate_body, parse_openai, sse_data,
-                                       tool_calls_from_deltas, transport_error)
-
-# The public API: both clients and everything they return or raise.
-__all__ = [
-    "AsyncClient", "AsyncStream", "ChatResult", "Choice", "Client", "CompletionResult", "GenerateResult",
-    "Model", "RadixServeConnectionError", "RadixServeError", "RadixServeTimeoutError", "Stream", "StreamChunk",
-    "ToolCall", "Usage", "tool_calls_from_deltas",
-]
+                                       transport_error)
+from radixserve.client.shared import DEFAULT_TIMEOUT_S, ClientBase, json_or_text
 
 
 class Client(ClientBase):
