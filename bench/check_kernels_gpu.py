@@ -186,6 +186,21 @@ class Checker:
         self.record("gate_up_silu", dtype, f"M{rows} H{hidden} I{inter}", "vs fp32 projection + silu_and_mul",
                     rel_err(torch, out, ref), TOLERANCE[str(dtype).replace("torch.", "")])
 
+    def skinny(self, dtype, rows, n, k, g, splits=None):
+        """kernels/triton_skinny_linear.py against an fp32 projection; twice, to show the split counters reset."""
+        from kernels import triton_skinny_linear
+        torch = self.torch
+        dev_gen = torch.Generator(device=self.device)
+        dev_gen.manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=g)))
+        x = (torch.randn(rows, k, generator=dev_gen, device=self.device) / k ** 0.25).to(dtype)
+        w = (torch.randn(n, k, generator=dev_gen, device=self.device) / k ** 0.25).to(dtype)
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        first = triton_skinny_linear.skinny_linear(x, w, splits=splits)
+        second = triton_skinny_linear.skinny_linear(x, w, splits=splits)
+        err = rel_err(torch, first, ref) if torch.equal(first, second) else float("inf")  # deterministic, reset
+        self.record("skinny_linear", dtype, f"M{rows} N{n} K{k}", f"splits {splits or 'auto'} vs fp32 projection",
+                    err, TOLERANCE[str(dtype).replace("torch.", "")])
+
     def store_kv(self, dtype, n, hkv, d, g, index_dtype):
         torch = self.torch
         num_slots = 3 * n + 5
@@ -263,6 +278,10 @@ def run_small(check, torch, g, ew):
     check.qkv_prep(torch.float32, 3, 6, 2, 64, 32, True, g)  # partial rotary: the rest is normalised, not rotated
     check.qkv_prep(torch.float32, 4, 4, 4, 32, 32, False, g)  # Llama: no norms
     check.gate_up(torch.float32, 19, 72, 40, g)  # ragged: rows over a tile, hidden and inter off the blocks
+    for dtype in (torch.float32, torch.float16):
+        check.skinny(dtype, 1, 40, 64, g, splits=1)
+        check.skinny(dtype, 16, 33, 128, g, splits=4)  # ragged columns, every row of the tile
+    check.skinny(torch.float32, 5, 64, 256, g)  # the split count the kernel picks
     check.decode_one_launch(torch.float32, 4, 2, 32, [1, 83, 40, 17], "ragged lengths incl. 1", g, num_kv_splits=3)
     check.decode_one_launch(torch.float16, 8, 2, 32, [100, 3, 64], "more splits than blocks", g, num_kv_splits=8)
     check.decode_one_launch(torch.float32, 7, 1, 16, [300, 50, 1], "automatic split count, GQA 7", g)
@@ -315,6 +334,9 @@ def run_fused(check, torch, g):
         for rows in (1, 16, 100):
             check.gate_up(dtype, rows, 4096, 12288, g)  # Qwen3-8B
             check.gate_up(dtype, rows, 1024, 3072, g)  # Qwen3-0.6B
+        for rows in (1, 7, 16):
+            for n, k in [(6144, 4096), (4096, 4096), (4096, 12288), (4096, 1024), (1024, 2048), (1024, 3072)]:
+                check.skinny(dtype, rows, n, k, g)  # the projections of Qwen3-8B and -0.6B
         for hq, hkv in [(32, 32), (32, 8), (16, 8), (32, 4)]:
             check.decode_one_launch(dtype, hq, hkv, 128, [rnd.randint(1, 4100) for _ in range(7)] + [1],
                                     "8 random <=4100", g)

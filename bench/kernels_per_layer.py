@@ -30,7 +30,7 @@ from radixserve.models.registry import model_class
 from radixserve.protocol import PrefixGroups, pack_i32
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNFUSED = dict(one_launch_decode=0, fused_qkv=0, gate_up_silu_max_rows=0)
+UNFUSED = dict(one_launch_decode=0, fused_qkv=0, gate_up_silu_max_rows=0, skinny_linear_max_rows=0)
 # name: (kernel options, cuBLAS split-K allowed)
 OPTION_SETS = {
     "unfused (before)": (UNFUSED, True),
@@ -38,8 +38,11 @@ OPTION_SETS = {
     "fused, no split-K": ({}, False),
     "fused, no split-K, gate/up unfused": (dict(gate_up_silu_max_rows=0), False),
     "fused, no split-K, gate/up fused to 128 rows": (dict(gate_up_silu_max_rows=128), False),
-    "Q/K fused only": (dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=0), True),
-    "Q/K fused, gate/up fused to 16 rows": (dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=16), True),
+    "Q/K fused only": (dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=0, skinny_linear_max_rows=0),
+                       True),
+    "Q/K fused, gate/up fused to 16 rows": (dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=16,
+                                                 skinny_linear_max_rows=0), True),
+    "serving's defaults (+ skinny projections)": (dict(one_launch_decode=0), True),
 }
 BATCHES = {"bs1": (1, 0, 1024), "bs16": (16, 0, 1024), "W1": (128, 1024, 128)}  # requests, shared prefix, own
 CONTEXT_LEN = 40960

@@ -13,7 +13,8 @@ as "name=value,..."): one_launch_decode (decode attention, plain or grouped, as 
 splits: kernels/one_launch_decode.py; off: the split + merge kernels of triton_attention.py and
 shared_prefix_attention.py), fused_qkv (Q/K norms, RoPE and the KV store as one kernel: kernels/triton_qkv.py) and
 gate_up_silu_max_rows (the MLP's gate/up projection with SiLU-and-mul fused, up to this many rows; 0: never:
-kernels/triton_mlp.py). The torch twins compute the same functions whatever the options.
+kernels/triton_mlp.py) and skinny_linear_max_rows (the other projections by one weight-streaming kernel up to this
+many rows, instead of cuBLAS; 0: never: kernels/triton_skinny_linear.py). The torch twins compute the same functions whatever the options.
 """
 
 import os
@@ -44,7 +45,7 @@ def get_backend():
 
 set_backend(os.environ.get("RADIXSERVE_KERNEL_BACKEND", "auto"))
 
-OPTIONS = {"one_launch_decode": True, "fused_qkv": True, "gate_up_silu_max_rows": 16}
+OPTIONS = {"one_launch_decode": True, "fused_qkv": True, "gate_up_silu_max_rows": 16, "skinny_linear_max_rows": 16}
 
 
 def configure(**options):
@@ -184,9 +185,11 @@ def _fused_impl(tensor):
     if _use_reference(tensor):
         return reference
     if _fused_ops is None:
-        from kernels import triton_mlp, triton_qkv
+        from kernels import triton_mlp, triton_qkv, triton_skinny_linear
         _fused_ops = types.SimpleNamespace(qk_norm_rope_store=triton_qkv.qk_norm_rope_store,
-                                           gate_up_silu=triton_mlp.gate_up_silu)
+                                           gate_up_silu=triton_mlp.gate_up_silu,
+                                           skinny_linear=triton_skinny_linear.skinny_linear,
+                                           skinny_supports=triton_skinny_linear.supports)
     return _fused_ops
 
 
@@ -209,6 +212,16 @@ def gate_up_silu(x, weight):
     return silu_and_mul(F.linear(x, weight))
 
 
+def linear(x, weight, bias=None):
+    """x @ weight^T (+ bias) for a projection of the model: one weight-streaming kernel on the GPU up to
+    OPTIONS["skinny_linear_max_rows"] rows (at most 16) where the weight's shape allows, else cuBLAS."""
+    if (_use_reference(x) or x.numel() > min(16, OPTIONS["skinny_linear_max_rows"]) * x.shape[-1]
+            or not _fused_impl(x).skinny_supports(weight)):
+        return F.linear(x, weight, bias)
+    y = _fused_impl(x).skinny_linear(x, weight)
+    return y if bias is None else y + bias
+
+
 __all__ = ["BACKENDS", "OPTIONS", "set_backend", "get_backend", "configure", "store_kv", "extend_attention",
            "decode_attention", "decode_attention_grouped", "rmsnorm", "rope", "silu_and_mul", "qk_norm_rope_store",
-           "gate_up_silu"]
+           "gate_up_silu", "linear"]

@@ -33,10 +33,11 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
     # do at W1's 1,152 tokens on an H100. Both modes at once: one child process each.
     common = ["-m", "bench.kernel_variants", "--in-process", "--shape", "2", "4", "16", "2", "4", "--runs", "3,0",
               "--min-split-tokens", "8"]
-    # Mode on also turns on the opt-in kernels (one-launch decode, fused layer kernels), so that the audit covers them.
-    opt_in = '{"enable_one_launch_decode": true, "enable_fused_layer_kernels": true}'
-    children = {"on": _interpreted(*common, "--modes", "on", "--engine-args", opt_in),
-                "off": _interpreted(*common, "--modes", "off")}
+    # Mode on also turns on the opt-in one-launch decode, mode off turns the fused layer kernels off, so that the audit
+    # covers every kernel either way.
+    children = {"on": _interpreted(*common, "--modes", "on", "--engine-args", '{"enable_one_launch_decode": true}'),
+                "off": _interpreted(*common, "--modes", "off", "--engine-args",
+                                    '{"disable_fused_layer_kernels": true}')}
     outputs = {mode: child.communicate(timeout=300)[0] for mode, child in children.items()}
     for mode, out in outputs.items():
         print(out[-6000:])

@@ -37,7 +37,7 @@ def test_triton_kernels_match_reference_in_interpreter():
     assert "ALL PASS" in result.stdout
     # Every kernel family was exercised, not just imported.
     for name in ("extend_attention", "decode_attention", "store_kv", "rmsnorm", "rope", "silu_and_mul", "dispatch",
-                 "decode_one_launch", "qkv_prep", "gate_up_silu"):
+                 "decode_one_launch", "qkv_prep", "gate_up_silu", "skinny_linear"):
         assert f"\n{name} " in "\n" + result.stdout, name
 
 

@@ -4,8 +4,9 @@ checkpoint tensor into it, so the loader never needs to know how a layer is shar
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+import kernels
 
 from radixserve.runtime.distributed import all_reduce, get_tp_rank, get_tp_size
 from radixserve.loader import copy_whole_tensor
@@ -56,7 +57,7 @@ class ColumnParallelLinear(nn.Module):
         copy_whole_tensor(param, loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return kernels.linear(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -125,6 +126,6 @@ class RowParallelLinear(nn.Module):
         copy_whole_tensor(param, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(kernels.linear(x, self.weight))
         # The bias is added after the reduction so that it counts once, not once per rank.
         return y if self.bias is None else y + self.bias

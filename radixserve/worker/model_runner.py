@@ -84,9 +84,10 @@ class ModelRunner:
         # The rope table covers every position served (a --context-length past the config's: YaRN's scaled context).
         self.model_config.max_position_embeddings = max(self.model_config.max_position_embeddings, self.context_len)
         kernels.set_backend(server_args.kernel_backend)
-        fused = server_args.enable_fused_layer_kernels
+        fused = not server_args.disable_fused_layer_kernels
         kernels.configure(one_launch_decode=server_args.enable_one_launch_decode, fused_qkv=fused,
-                          gate_up_silu_max_rows=server_args.gate_up_silu_max_rows if fused else 0)
+                          gate_up_silu_max_rows=server_args.gate_up_silu_max_rows if fused else 0,
+                          skinny_linear_max_rows=server_args.skinny_linear_max_rows)
 
         self.model = self._load_model(Path(model_dir))
         # Layer-wise offload's GPU buffers before the KV pool, which is sized from the memory left after them.
