@@ -1,16 +1,23 @@
 """Admission: which prefill chunks run this step. Requests already prefilling (chunked) continue first; then waiting
 requests start, in the policy's order (policy.py), while their first chunk plus a reserve for their outputs fits
-in free + evictable KV slots. Part of Scheduler (scheduler.py), which holds the state used here."""
+in free + evictable KV slots (eviction itself is memory_pressure.py's)."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import numpy as np
 
+from radixserve.cache.host_tier import HostTier
+from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.slot_allocator import ReqPoolAllocator, TokenSlotAllocator
+from radixserve.config import ServerArgs
 from radixserve.protocol import ReusedSlots
+from scheduler_service.memory_pressure import MemoryPressure, NewTokenRatio
 from scheduler_service.policy import order_waiting_queue
 from scheduler_service.request import Req, ReqStatus
+from scheduler_service.scheduler_stats import SchedulerStats
 
 # A waiting request is deferred while a prompt being computed shares at least this many tokens with it (and more
 # than the tree holds yet): one step later they are in the tree. Shorter overlaps (a chat template's header) are
@@ -18,33 +25,57 @@ from scheduler_service.request import Req, ReqStatus
 IN_BATCH_PREFIX_MIN_TOKENS = 32
 
 
-class AdmissionMixin:
-    def _prefill_entries(self, budget: int, decodes: list[Req], reused: list[ReusedSlots]) -> list[tuple[Req, int]]:
-        """The next chunk of requests already prefilling, then newly admitted requests, within chunked_prefill_size."""
+class Admission:
+    """This step's prefill chunks, and the start of each waiting request that gets one: its cached prefix matched
+    and locked, a req_to_token row, and its move from the waiting queue to the running batch."""
+
+    def __init__(self, args: ServerArgs, context_len: int, tree: RadixCache, host_tier: HostTier | None,
+                 slot_allocator: TokenSlotAllocator, row_allocator: ReqPoolAllocator, waiting: deque[Req],
+                 running: list[Req], memory: MemoryPressure, new_token_ratio: NewTokenRatio, stats: SchedulerStats):
+        """waiting and running are the Scheduler's (changed in place); memory evicts to make room for a chunk;
+        new_token_ratio is the share of outputs to reserve; stats counts the cached prompt tokens."""
+        self.args = args
+        self.context_len = context_len
+        self.tree = tree
+        self.host_tier = host_tier
+        self.slot_allocator = slot_allocator
+        self.row_allocator = row_allocator
+        self.waiting = waiting
+        self.running = running
+        self.memory = memory
+        self.new_token_ratio = new_token_ratio
+        self.stats = stats
+
+    def prefill_entries(self, budget: int, decodes: list[Req], reused: list[ReusedSlots],
+                        step: int) -> list[tuple[Req, int]]:
+        """(request, tokens to compute) for the next chunk of requests already prefilling, then for newly admitted
+        requests, within budget tokens. decodes: this step's decodes, one slot each already promised; a new
+        request's cached prefix is appended to reused (the worker points its row at those slots)."""
         entries = []
         committed = len(decodes)  # slots this step already promised
         for req in [r for r in self.running if not r.is_decoding]:
             if budget <= 0:
                 break
             n = min(req.num_pending, budget)
-            if self._ensure_free_slots(committed + n):
+            if self.memory.ensure_free_slots(committed + n):
                 entries.append((req, n))
                 budget -= n
                 committed += n
         if budget > 0:
-            entries += self._admit(budget, committed, reused)
+            entries += self._admit(budget, committed, reused, step)
         return entries
 
-    def _admit(self, budget: int, committed: int, reused: list[ReusedSlots]) -> list[tuple[Req, int]]:
+    def _admit(self, budget: int, committed: int, reused: list[ReusedSlots], step: int) -> list[tuple[Req, int]]:
         """Admit waiting requests while their first chunk plus a decode reserve fits in free + evictable slots."""
         if not self.waiting or self.row_allocator.num_free == 0:
             return []  # (no row, no admission: skip ordering the queue, which matches every prompt under LPM)
-        ordered = order_waiting_queue(self.waiting, self.tree, self.args, self.step_count)
+        ordered = order_waiting_queue(self.waiting, self.tree, self.args, step)
         # Prompts being computed right now (not yet whole in the tree) that a waiting request could share.
         # (Only a tenant's own prompts: another cache_salt's can never be shared, and waiting on it would leak.)
         admitted_fills = [(r.cache_salt, r.fill_ids()) for r in self.running if not r.is_decoding]
         # Slots that running requests will still need for their outputs, discounted by the observed ratio.
-        reserved = sum(min(r.remaining_new_tokens, self.context_len) for r in self.running) * self.new_token_ratio
+        ratio = self.new_token_ratio.value
+        reserved = sum(min(r.remaining_new_tokens, self.context_len) for r in self.running) * ratio
         available = self.slot_allocator.num_free + self.tree.evictable_size - committed - reserved
         admitted: list[tuple[Req, int]] = []
         for req in ordered:
@@ -64,34 +95,39 @@ class AdmissionMixin:
                                                       [f for s, f in admitted_fills if s == req.cache_salt]):
                 continue  # wait one step and reuse that request's prefix from the tree instead of recomputing it
             n = min(len(fill) - prefix_len, budget)
-            need = n + req.remaining_new_tokens * self.new_token_ratio
+            need = n + req.remaining_new_tokens * ratio
             if need > available and (self.running or admitted):
                 break  # FCFS within the chosen order: do not let small requests overtake forever
             self.tree.inc_lock_ref(match.last_node)
-            if not self._ensure_free_slots(committed + n):
+            if not self.memory.ensure_free_slots(committed + n):
                 self.tree.dec_lock_ref(match.last_node)
                 break
-            self.tree.record_hit(match.last_node)
-            req.req_pool_idx = self.row_allocator.alloc()
-            req.last_node = match.last_node
-            req.slots[:prefix_len] = match.slots
-            req.kv_len = req.tree_len = prefix_len
-            req.status = ReqStatus.RUNNING
-            req.needs_worker_registration = True
-            if req.cached_tokens is None:
-                req.cached_tokens = min(prefix_len, len(req.prompt_ids))
-                req.admitted_time = time.time()
-                self.stats.cached_prompt_tokens += req.cached_tokens
+            self._start(req, match)
             if prefix_len:
                 reused.append(ReusedSlots(req.req_pool_idx, 0, match.slots.tobytes()))
-            self.waiting.remove(req)
-            self.running.append(req)
             admitted.append((req, n))
             admitted_fills.append((req.cache_salt, fill))
             budget -= n
             committed += n
             available -= need
         return admitted
+
+    def _start(self, req: Req, match) -> None:
+        """The request runs from here: a row, its cached prefix (locked by the caller), its place in the batch."""
+        self.tree.record_hit(match.last_node)
+        prefix_len = len(match.slots)
+        req.req_pool_idx = self.row_allocator.alloc()
+        req.last_node = match.last_node
+        req.slots[:prefix_len] = match.slots
+        req.kv_len = req.tree_len = prefix_len
+        req.status = ReqStatus.RUNNING
+        req.needs_worker_registration = True
+        if req.cached_tokens is None:
+            req.cached_tokens = min(prefix_len, len(req.prompt_ids))
+            req.admitted_time = time.time()
+            self.stats.cached_prompt_tokens += req.cached_tokens
+        self.waiting.remove(req)
+        self.running.append(req)
 
     def _shares_prefix_with(self, fill: np.ndarray, cached_len: int, others: list[np.ndarray]) -> bool:
         """True when a prompt being computed this step shares a substantial prefix with this one, beyond what the

@@ -30,7 +30,7 @@ from radixserve.protocol import (ListPinsRequest, PinEntry, PinPrefixRequest, Pi
                                  unpack_i32)
 from radixserve.sampling import SamplingParams
 from scheduler_service.request import Req
-from scheduler_service.results import StepOutput
+from scheduler_service.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
 

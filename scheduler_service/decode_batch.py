@@ -7,8 +7,9 @@ scheduler's CPU time per step. So once a batch of decodes alone has been built t
 arrays: rows, kv_lens, the next input ids, outputs so far, the length limits. While the running set is exactly those
 requests, in the same order, the next batch is those arrays advanced by one with numpy, its tokens go to their
 requests in one short loop, and one vectorised test picks the few tokens that could end their request; only those
-meet the full finish rules (results.py). Any other step (an admission, a finish, an abort, a retraction, reused
-slots to send) takes the general path, which records the arrays again when it builds a batch of decodes alone.
+meet the full finish rules (results.py, ResultProcessor.finish_reason). Any other step (an admission, a finish, an
+abort, a retraction, reused slots to send) takes the general path (batch_builder.py), which records the arrays again
+when it builds a batch of decodes alone.
 
 The Req objects stay the truth: kv_len, slots and output_ids are written every step, so nothing else (aborts,
 retraction, release into the tree, the general builder) needs to know this exists.
@@ -131,7 +132,7 @@ class DecodeBatch:
 
     def may_finish(self, step: DecodeStep, tokens: np.ndarray, num_outputs: np.ndarray) -> np.ndarray:
         """Indices of the tokens that could end their request (num_outputs: each one's outputs with it); every other
-        token ends nothing, whatever the full rules say (results.py _finish_reason)."""
+        token ends nothing, whatever the full rules say (ResultProcessor.finish_reason)."""
         run = step.run
         maybe = (num_outputs >= run.limits) | run.always_check
         maybe |= self.is_eos[np.minimum(tokens, len(self.is_eos) - 1)]  # (np.isin costs more than all of this)

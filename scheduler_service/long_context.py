@@ -26,8 +26,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from radixserve.cache.host_tier import HostTier
+from radixserve.cache.slot_allocator import ReqPoolAllocator
+from radixserve.config import ServerArgs
 from radixserve.protocol import ForwardBatch, LongRequest, LongWork, pack_i32
+from scheduler_service.batch_builder import ScheduledBatch, worker_request
 from scheduler_service.request import Req, ReqStatus
+from scheduler_service.scheduler_stats import SchedulerStats
 
 
 @dataclass(eq=False)
@@ -58,14 +63,19 @@ class Job:
 
 
 class LongContext:
-    def __init__(self, scheduler, num_layers: int):
-        s = self.s = scheduler
-        args = s.args
-        self.tier = s.host_tier
+    def __init__(self, args: ServerArgs, context_len: int, device_pool_tokens: int, host_tier: HostTier,
+                 row_allocator: ReqPoolAllocator, stats: SchedulerStats, num_layers: int):
+        """device_pool_tokens: the GPU KV pool's size (longer requests come here); host_tier holds their KV;
+        row_allocator: the req_to_token rows they share with ordinary requests; stats counts their tokens."""
+        self.context_len = context_len
+        self.device_pool_tokens = device_pool_tokens
+        self.tier = host_tier
+        self.row_allocator = row_allocator
+        self.stats = stats
         self.num_layers = num_layers
         self.chunk = args.layerwise_offload_chunk_size
         self.units_per_step = args.layerwise_offload_units_per_step
-        self.buffer_tokens = args.layerwise_offload_buffer_tokens or s.context_len
+        self.buffer_tokens = args.layerwise_offload_buffer_tokens or context_len
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admitted and not ended (prefilling, decoding or finishing)
         self.prefill: Job | None = None
@@ -77,18 +87,18 @@ class LongContext:
 
     # ------------------------------------------------------------------ requests
     def takes(self, req: Req) -> bool:
-        return len(req.prompt_ids) + req.params.max_new_tokens > self.s.slot_allocator.num_total
+        return len(req.prompt_ids) + req.params.max_new_tokens > self.device_pool_tokens
 
     def max_tokens(self) -> int:
         """The most tokens one sequence can hold on this server."""
-        return min(self.s.context_len, self.buffer_tokens, self.tier.capacity_tokens - self.tier.tree.pinned_size)
+        return min(self.context_len, self.buffer_tokens, self.tier.capacity_tokens - self.tier.tree.pinned_size)
 
     def check(self, req: Req) -> None:
         """ValueError (a 400) for a long request that can never run, naming the limit."""
         total = len(req.prompt_ids) + req.params.max_new_tokens
         if req.prompt_logprobs is not None:
             raise ValueError(f"prompt logprobs (echo) are not served for requests longer than the KV pool "
-                             f"({self.s.slot_allocator.num_total} tokens): their prompt runs one layer at a time")
+                             f"({self.device_pool_tokens} tokens): their prompt runs one layer at a time")
         if total > self.buffer_tokens:
             raise ValueError(f"this request holds up to {total} tokens, more than a layer-wise offload buffer holds "
                              f"({self.buffer_tokens} tokens, --layerwise-offload-buffer-tokens)")
@@ -131,7 +141,7 @@ class LongContext:
             # a new request registered in this row before then would receive this one's token.
             job.deferred_rows.append(req.req_pool_idx)
         else:
-            self.s.row_allocator.free(req.req_pool_idx)
+            self.row_allocator.free(req.req_pool_idx)
         req.req_pool_idx, req.host_kv = None, None
         req.kv_len = req.tree_len = 0
 
@@ -148,8 +158,8 @@ class LongContext:
             return False
         return True
 
-    def schedule(self):
-        """This step's ScheduledBatch of long work, or None if none can run now."""
+    def schedule(self, step: int) -> ScheduledBatch | None:
+        """This step's batch of long work, or None if none can run now."""
         job = self._job()
         if job is None:
             self._last_step_long = False
@@ -164,7 +174,7 @@ class LongContext:
         last = job.next_unit == job.num_units
         self._last_step_long, self._last_job_prefill = True, job.prefill
         self.steps += 1
-        return self._scheduled(job, first, n, last)
+        return self._scheduled(step, job, first, n, last)
 
     def _job(self) -> Job | None:
         if self.decode is not None:  # a decode job runs to its end
@@ -200,14 +210,14 @@ class LongContext:
         for req in chosen:
             req.kv_len += 1
             req.host_kv.last_job = self.decode.id
-        self.s.stats.decode_tokens += len(chosen)
+        self.stats.decode_tokens += len(chosen)
         self.max_decode_batch = max(self.max_decode_batch, len(chosen))
         return self.decode
 
     def _admit(self) -> Job | None:
         """Start the first waiting long request: its cached prefix from the tier's tree, host slots for the rest."""
-        s, tier = self.s, self.tier
-        if not self.waiting or s.row_allocator.num_free == 0:
+        tier = self.tier
+        if not self.waiting or self.row_allocator.num_free == 0:
             return None
         req = self.waiting[0]
         fill = req.fill_ids()
@@ -222,7 +232,7 @@ class LongContext:
             tier.tree.dec_lock_ref(match.last_node)
             return None  # what holds the rest is a running long request or a load in flight: both end
         req.host_kv = HostKV(np.concatenate([match.slots, tier.allocator.alloc(need)]), prefix, match.last_node)
-        req.req_pool_idx = s.row_allocator.alloc()
+        req.req_pool_idx = self.row_allocator.alloc()
         req.status = ReqStatus.RUNNING
         req.needs_worker_registration = True
         req.tree_len = prefix
@@ -230,8 +240,8 @@ class LongContext:
         if req.cached_tokens is None:
             req.cached_tokens = prefix
             req.admitted_time = time.time()
-            s.stats.cached_prompt_tokens += prefix
-        s.stats.prefill_tokens_computed += len(fill) - prefix
+            self.stats.cached_prompt_tokens += prefix
+        self.stats.prefill_tokens_computed += len(fill) - prefix
         self.waiting.popleft()
         self.running.append(req)
         chunks = math.ceil((len(fill) - prefix) / self.chunk)
@@ -244,32 +254,30 @@ class LongContext:
                    pack_i32([r.req_pool_idx for r in reqs]), pack_i32(prefix_lens), pack_i32(extend_lens),
                    pack_i32(ids), self.chunk if prefill else 0)
 
-    def _scheduled(self, job: Job, first: int, n: int, last: bool):
-        from scheduler_service.scheduler import ScheduledBatch  # (scheduler.py imports this module)
-        s = self.s
+    def _scheduled(self, step: int, job: Job, first: int, n: int, last: bool) -> ScheduledBatch:
         new_requests, new_long = [], []
         if first == 0:
             for req in job.reqs:
                 if req.needs_worker_registration:
-                    new_requests.append(s._worker_request(req))
+                    new_requests.append(worker_request(req))
                     req.needs_worker_registration = False
                 if not req.host_kv.sent:
                     new_long.append(LongRequest(req.req_pool_idx, req.host_kv.slots.tobytes()))
                     req.host_kv.sent = True
         b = len(job.reqs)
         batch = ForwardBatch(
-            step=s.step_count, req_pool_indices=job.rows, prefix_lens=job.prefix_lens, extend_lens=job.extend_lens,
+            step=step, req_pool_indices=job.rows, prefix_lens=job.prefix_lens, extend_lens=job.extend_lens,
             input_ids=job.input_ids if first == 0 else b"", out_cache_loc=b"", sample_mask=bytes([last]) * b,
             new_requests=new_requests,
             long=LongWork(job.id, job.prefill, first, n, job.chunk_size, new_long))
-        s.stats.steps += 1
+        self.stats.steps += 1
         if last:
             if job is self.decode:
                 self.decode = None
             else:
                 self.prefill = None
             for row in job.deferred_rows:
-                s.row_allocator.free(row)
+                self.row_allocator.free(row)
         return ScheduledBatch(batch, list(job.reqs), [last] * b, [False] * b)
 
     # ------------------------------------------------------------------ reports

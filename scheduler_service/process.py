@@ -22,9 +22,9 @@ from scheduler_service.cache_stats import cache_numbers, cache_stats
 from scheduler_service.kv_events import KvBlockLog, Listeners
 from scheduler_service.executor import WorkerProcessesExecutor
 from scheduler_service.request import Req
-from scheduler_service.results import StepOutput
 from scheduler_service.scheduler import KVInvariantError, Scheduler
 from scheduler_service.step_loop import make_step_loop
+from scheduler_service.step_output import StepOutput
 
 logger = logging.getLogger(__name__)
 

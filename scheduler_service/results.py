@@ -1,72 +1,59 @@
 """Result handling: the sampled tokens of a step go to their requests, and "finished" is decided here and nowhere
 else (stop token, stop string, length). A finished request's KV goes into the radix tree at once, so nothing is
 computed past its end. Computed prompt chunks are inserted as they complete, so that requests arriving meanwhile
-share them. Part of Scheduler (scheduler.py)."""
+share them."""
 
 from __future__ import annotations
 
-import struct
 import time
-from array import array
 from operator import attrgetter
 
-import msgspec
 import numpy as np
 
+from radixserve.cache.radix_cache import RadixCache
 from radixserve.protocol import RequestOutput, ReusedSlots, SampledTokens, unpack_i32
+from scheduler_service.batch_builder import ScheduledBatch
+from scheduler_service.decode_batch import DecodeBatch
+from scheduler_service.endings import Endings
 from scheduler_service.request import Req, ReqStatus
+from scheduler_service.step_output import StepOutput
 
 _status = attrgetter("status")
-_INT32 = struct.Struct("=i")
 
 
-class StepOutput(msgspec.Struct, gc=False):
-    """What one step produced for one request. (A msgspec Struct for its speed alone: a step makes one per running
-    request, and this constructs in half the time of a slotted dataclass, untracked by the garbage collector as it
-    can hold no cycle. It never goes on a socket.)"""
-    req: Req
-    new_token_ids: list[int]
-    new_logprobs: list = []
-    finished: bool = False
-    num_outputs: int | None = None  # the request's outputs so far (None: all of output_ids; aborts, errors)
-    message: RequestOutput | None = None  # built with the step's results (decode batches); stale once finished
+class ResultProcessor:
+    """Applies each step's sampled tokens to its requests, ends those that finish, and keeps the computed prompt
+    chunks in the tree."""
 
-    def to_message(self) -> RequestOutput:
-        if self.message is not None and not self.finished:
-            return self.message
-        req = self.req
-        num_outputs = self.num_outputs
-        if num_outputs is None:  # not counting placeholders of steps still in flight (an abort mid-step)
-            num_outputs = len(req.output_ids)
-            while num_outputs and req.output_ids[num_outputs - 1] < 0:
-                num_outputs -= 1
-        first = num_outputs == len(self.new_token_ids)
-        token_ids = self.new_token_ids
-        # The same int32 bytes as protocol.pack_i32, without a numpy array per request (one token: one struct call).
-        token_bytes = _INT32.pack(token_ids[0]) if len(token_ids) == 1 else array("i", token_ids).tobytes()
-        # Positional, in RequestOutput's field order (fixed: it is array_like on the wire), and a third of the cost
-        # of keywords: the server builds one of these per running request and step. Prompt logprobs ride on the
-        # output with the first token only.
-        message = RequestOutput(
-            req.rid, token_bytes, self.new_logprobs, self.finished, req.finish_reason if self.finished else None,
-            req.matched_stop, req.error, len(req.prompt_ids), num_outputs, req.cached_tokens or 0,
-            (req.admitted_time - req.arrival_time) if first and req.admitted_time else None)
-        if first and req.prompt_logprobs and token_ids:
-            message.prompt_logprobs = req.prompt_logprobs[1:]
-        return message
+    def __init__(self, context_len: int, eos_token_ids: set[int], tree: RadixCache, decode_batch: DecodeBatch,
+                 endings: Endings, outputs: list[StepOutput]):
+        """decode_batch: the running decodes as arrays (their next inputs are this step's tokens); endings ends a
+        finished request; outputs is the Scheduler's list of what requests got (appended to, never rebound)."""
+        self.context_len = context_len
+        self.eos_token_ids = eos_token_ids
+        self.tree = tree
+        self.decode_batch = decode_batch
+        self.endings = endings
+        self.outputs = outputs
+        # Reused-slot ranges decided after a step (chunk insertion), sent with the next batch.
+        self._reused_slots: list[tuple[Req, ReusedSlots]] = []
 
+    def take_reused_slots(self) -> list[ReusedSlots]:
+        """The ranges re-pointed at the tree's slots since the last call, of requests still running."""
+        reused = [r for req, r in self._reused_slots if req.status is ReqStatus.RUNNING]
+        self._reused_slots = []
+        return reused
 
-class ResultsMixin:
-    def process_results(self, scheduled, sampled: SampledTokens, output_index: list[int] | None = None) -> None:
-        """Apply one step's sampled tokens (a ScheduledBatch and what the executor returned for it). What each
-        request got is collected for take_outputs().
+    def decodes_alone(self, scheduled: ScheduledBatch, sampled: SampledTokens) -> bool:
+        """A batch of decodes alone (decode_batch.py) whose requests all still run and that asked for no logprobs:
+        its tokens can go through apply_decode_tokens."""
+        return (scheduled.decodes is not None and not sampled.logprobs and not sampled.prompt_logprobs
+                and list(map(_status, scheduled.reqs)).count(ReqStatus.RUNNING) == len(scheduled.reqs))
 
-        output_index (overlapped loop): where each sampled token goes in its request's output_ids, over the
-        placeholder put there at launch; a later placeholder (the step in flight now) may follow it. Without it
-        (serial loop) each token is appended."""
-        if (scheduled.decodes is not None and not sampled.logprobs and not sampled.prompt_logprobs
-                and list(map(_status, scheduled.reqs)).count(ReqStatus.RUNNING) == len(scheduled.reqs)):
-            return self._apply_decode_tokens(scheduled, sampled, output_index is not None)
+    def apply(self, scheduled: ScheduledBatch, sampled: SampledTokens, output_index: list[int] | None) -> None:
+        """Any step's tokens, request by request. output_index (overlapped loop): where each sampled token goes in
+        its request's output_ids, over the placeholder put there at launch; a later placeholder (the step in flight
+        now) may follow it. Without it (serial loop) each token is appended."""
         tokens = unpack_i32(sampled.token_ids).tolist()
         logprobs = sampled.logprobs
         for found in sampled.prompt_logprobs:  # params.prompt_logprobs: kept until the first token's output
@@ -77,7 +64,7 @@ class ResultsMixin:
         sample_index = 0
         now = time.time()
         running = ReqStatus.RUNNING
-        outputs = self._outputs
+        outputs = self.outputs
         cache_chunks = output_index is None  # the overlapped loop caches them at launch (cache_prompt_chunks)
         for req, samples, prefill in zip(scheduled.reqs, scheduled.samples, scheduled.prefills):
             if not samples:
@@ -108,30 +95,29 @@ class ResultsMixin:
             num_outputs = len(req.output_ids) if at is None else at + 1
             out = StepOutput(req, [token], [logprob] if logprob is not None else [], False, num_outputs)
             p = req.params
-            # Most tokens end nothing: test that cheaply before the full rules of _finish_reason.
+            # Most tokens end nothing: test that cheaply before the full rules of finish_reason.
             reason = None
             if (num_outputs >= p.max_new_tokens or req.stop_matcher is not None or token in self.eos_token_ids
                     or p.stop_token_ids or len(req.prompt_ids) + num_outputs >= self.context_len):
-                reason = self._finish_reason(req, token, num_outputs)
+                reason = self.finish_reason(req, token, num_outputs)
             if reason is not None:
-                self._end(req, reason, num_outputs)
+                self.endings.end(req, reason, num_outputs)
                 out.finished = True
             outputs.append(out)
         if output_index is None:
             self.decode_batch.sampled(scheduled.decodes, unpack_i32(sampled.token_ids))
-        self._decay_new_token_ratio()
 
-    def _apply_decode_tokens(self, scheduled, sampled: SampledTokens, overlapped: bool) -> None:
-        """process_results for a batch of decodes alone (decode_batch.py) whose requests all still run and that
-        asked for no logprobs: what the loop above does, with the finish rules only for the tokens that could end
-        their request (DecodeBatch.may_finish), and each output's message built here from the run's lists."""
+    def apply_decode_tokens(self, scheduled: ScheduledBatch, sampled: SampledTokens, overlapped: bool) -> None:
+        """apply() for a batch where decodes_alone(): what its loop does, with the finish rules only for the tokens
+        that could end their request (DecodeBatch.may_finish), and each output's message built here from the run's
+        lists."""
         decodes, reqs = scheduled.decodes, scheduled.reqs
         run = decodes.run
         tokens = unpack_i32(sampled.token_ids)
         token_list = tokens.tolist()
         num_outputs = decodes.num_outputs + 1  # each request's outputs with this token
         counts = num_outputs.tolist()
-        if overlapped:  # over the placeholder put at launch (the place the loop above gets as output_index)
+        if overlapped:  # over the placeholder put at launch (the place apply() gets as output_index)
             for req, n, token in zip(reqs, counts, token_list):
                 req.output_ids[n - 1] = token
         else:
@@ -141,43 +127,22 @@ class ResultsMixin:
         # What StepOutput.to_message would build for a request that goes on: not its first output (a decode has
         # one already), so no queue time and no prompt logprobs; no stop matched and no error while it runs. The
         # step's outputs share one empty logprobs list (none asked for any; nothing appends to a message's).
-        first = len(self._outputs)
+        first = len(self.outputs)
         no_logprobs = []
-        self._outputs += [
+        self.outputs += [
             StepOutput(req, [token], no_logprobs, False, n, RequestOutput(
-                rid, packed, no_logprobs, False, None, None, None, prompt_tokens, n, cached, None))
+                rid=rid, token_ids=packed, logprobs=no_logprobs, finished=False, finish_reason=None,
+                matched_stop=None, error=None, prompt_tokens=prompt_tokens, completion_tokens=n,
+                cached_tokens=cached, queue_time=None))
             for req, token, n, packed, rid, prompt_tokens, cached in zip(
                 reqs, token_list, counts, tokens.view("V4").tolist(), run.rids, run.prompt_tokens, run.cached_tokens)]
         for i in self.decode_batch.may_finish(decodes, tokens, num_outputs).tolist():
-            reason = self._finish_reason(reqs[i], token_list[i], counts[i])
+            reason = self.finish_reason(reqs[i], token_list[i], counts[i])
             if reason is not None:
-                self._end(reqs[i], reason, counts[i])
-                self._outputs[first + i].finished = True  # (to_message builds this one's message again)
-        self._decay_new_token_ratio()
+                self.endings.end(reqs[i], reason, counts[i])
+                self.outputs[first + i].finished = True  # (to_message builds this one's message again)
 
-    def _end(self, req: Req, reason: str, num_outputs: int) -> None:
-        """A running request ends with its num_outputs-th output. The step in flight may hold its next decode: that
-        placeholder goes, and the slot the decode writes is in kv_len, so it is released with the rest (once)."""
-        del req.output_ids[num_outputs:]
-        self._stop_running(req)
-        self._release(req, insert=True)
-        self._finish(req, reason)
-
-    def _decay_new_token_ratio(self) -> None:
-        if self.new_token_ratio > self.args.min_new_token_ratio:
-            self.new_token_ratio = max(self.args.min_new_token_ratio,
-                                       self.new_token_ratio - self.args.new_token_ratio_decay)
-
-    def cache_prompt_chunks(self, scheduled) -> None:
-        """Overlapped loop: insert the prompt chunks of a step just launched, before its results exist. Safe because
-        workers run steps in order: whoever reads these slots does so in a later step, after they are written."""
-        if self.tree.disable or scheduled.decodes is not None:  # (decodes alone: no prompt chunk)
-            return
-        for req, prefill in zip(scheduled.reqs, scheduled.prefills):
-            if prefill and req.status is ReqStatus.RUNNING:
-                self._cache_chunk(req)
-
-    def _finish_reason(self, req: Req, token: int, num_outputs: int) -> str | None:
+    def finish_reason(self, req: Req, token: int, num_outputs: int) -> str | None:
         """Why the request ends with this token, its num_outputs-th output (sets matched_stop), or None. Stops are
         ignored below min_new_tokens; a stop wins over length when one token meets both."""
         p = req.params
@@ -195,6 +160,15 @@ class ResultsMixin:
                     return "stop"
         return "length" if out_of_length else None
 
+    def cache_prompt_chunks(self, scheduled: ScheduledBatch) -> None:
+        """Overlapped loop: insert the prompt chunks of a step just launched, before its results exist. Safe because
+        workers run steps in order: whoever reads these slots does so in a later step, after they are written."""
+        if self.tree.disable or scheduled.decodes is not None:  # (decodes alone: no prompt chunk)
+            return
+        for req, prefill in zip(scheduled.reqs, scheduled.prefills):
+            if prefill and req.status is ReqStatus.RUNNING:
+                self._cache_chunk(req)
+
     def _cache_chunk(self, req: Req) -> None:
         """Insert the computed part of a prompt (all chunks so far) so other requests can share it already, then
         point the request at the tree's own slots (another request may have inserted the same tokens first)."""
@@ -203,15 +177,12 @@ class ResultsMixin:
         fill = req.fill_ids()[:req.kv_len]
         self.tree.insert(fill, req.slots[:req.kv_len], namespace=req.cache_salt, priority=req.priority)
         match = self.tree.match_prefix(fill, namespace=req.cache_salt, priority=req.priority, record_hit=False)
-        self._relock(req, match.last_node)
+        self.tree.inc_lock_ref(match.last_node)  # the request's lock moves down to the node it now ends at
+        self.tree.dec_lock_ref(req.last_node)
+        req.last_node = match.last_node
         changed = np.flatnonzero(match.slots != req.slots[:req.kv_len])
         if len(changed):
             lo, hi = int(changed[0]), int(changed[-1]) + 1
             req.slots[lo:hi] = match.slots[lo:hi]
-            self._pending_reused_slots.append((req, ReusedSlots(req.req_pool_idx, lo, match.slots[lo:hi].tobytes())))
+            self._reused_slots.append((req, ReusedSlots(req.req_pool_idx, lo, match.slots[lo:hi].tobytes())))
         req.tree_len = req.kv_len
-
-    def _relock(self, req: Req, node) -> None:
-        self.tree.inc_lock_ref(node)
-        self.tree.dec_lock_ref(req.last_node)
-        req.last_node = node

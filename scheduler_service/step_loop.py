@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from scheduler_service.batch_builder import ScheduledBatch
 from scheduler_service.executor import Executor
-from scheduler_service.results import StepOutput
-from scheduler_service.scheduler import ScheduledBatch, Scheduler
+from scheduler_service.scheduler import Scheduler
+from scheduler_service.step_output import StepOutput
 from radixserve.protocol import future_token_placeholder, future_token_ring_size
 
 

@@ -147,7 +147,7 @@ def test_output_messages_are_the_keyword_built_ones():
     """StepOutput.to_message and the decode path build RequestOutput positionally (for speed): that must keep meaning
     the same fields, whatever is added to RequestOutput later."""
     from radixserve.protocol import RequestOutput
-    from scheduler_service.results import StepOutput
+    from scheduler_service.step_output import StepOutput
     req = Req("r", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=4))
     req.output_ids, req.cached_tokens, req.finish_reason, req.matched_stop = [40, 41], 2, "stop", 41
     message = StepOutput(req, [41], [], True, 2).to_message()
