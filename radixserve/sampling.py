@@ -53,10 +53,6 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
 
-    @property
-    def needs_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a message fit for an HTTP 400."""
         def bad(msg: str):

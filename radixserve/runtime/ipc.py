@@ -91,9 +91,6 @@ class AsyncChannel(Channel[T]):
     def __init__(self, ctx: zmq.asyncio.Context, kind: int, address: str, bind: bool, recv_type: Any = None):
         super().__init__(ctx, kind, address, bind, recv_type)
 
-    async def send_async(self, message) -> None:
-        await self.socket.send(self._encoder.encode(message), copy=False)
-
     async def recv_async(self):
         frame = await self.socket.recv(copy=False)
         return self._decoder.decode(frame.buffer)
