@@ -145,6 +145,16 @@ class Scheduler:
         """Overlapped loop: the prompt chunks of a step just launched go into the tree before its results exist."""
         self.result_processor.cache_prompt_chunks(scheduled)
 
+    def room_for_every_running_request(self) -> bool:
+        """True when free + evictable slots cover every running request's next tokens: then schedule() can neither
+        retract nor fail a request (the overlapped loop asks before scheduling with a step in flight)."""
+        room = self.slot_allocator.num_free + self.tree.evictable_size
+        if room >= len(self.running) + self.chunked_prefill_size:
+            return True  # the cheap common case: decodes need one slot each, prefills at most a chunk in all
+        if self.decode_batch.continues(self.running):
+            return room >= len(self.running)  # every running request decodes: one slot each, nothing to retract
+        return room >= sum(r.num_pending for r in self.running)
+
     def _with_host_copies(self, scheduled: ScheduledBatch) -> ScheduledBatch:
         if self.host_tier is not None:
             self.host_tier.attach_copies(scheduled.batch)  # copies queued by this step's evictions and admissions

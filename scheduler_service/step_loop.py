@@ -65,8 +65,9 @@ class OverlapStepLoop(SerialStepLoop):
 
     def step(self) -> list[StepOutput]:
         s = self.scheduler
-        if self.in_flight is not None and not self._room_for_every_running_request():
-            # Scheduling now might retract a request whose token is still in flight: apply it first (serial step).
+        if self.in_flight is not None and not s.room_for_every_running_request():
+            # Scheduling now might retract a request whose token is still in flight (only retraction reads and
+            # re-queues outputs that are still in flight): apply it first (serial step).
             self._apply_in_flight()
         scheduled = s.schedule()
         launched = None
@@ -113,17 +114,6 @@ class OverlapStepLoop(SerialStepLoop):
         if last:
             s.set_aside_finishing(last)
         return output_index
-
-    def _room_for_every_running_request(self) -> bool:
-        """True when free + evictable slots cover every running request's next tokens: then schedule() can neither
-        retract nor fail a request (only retraction reads and re-queues outputs that are still in flight)."""
-        s = self.scheduler
-        room = s.slot_allocator.num_free + s.tree.evictable_size
-        if room >= len(s.running) + s.chunked_prefill_size:
-            return True  # the cheap common case: decodes need one slot each, prefills at most a chunk in all
-        if s.decode_batch.continues(s.running):
-            return room >= len(s.running)  # every running request decodes: one slot each, nothing else can retract
-        return room >= sum(r.num_pending for r in s.running)
 
 
 def make_step_loop(scheduler: Scheduler, executor: Executor) -> SerialStepLoop:
