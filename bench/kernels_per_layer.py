@@ -13,6 +13,7 @@ and its logits against the unfused step's (all fusions off, cuBLAS split-K allow
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -97,9 +98,11 @@ def decode_step(model, cfg, requests: int, shared: int, own: int, seed=0, device
     if shared:
         prefix_groups = PrefixGroups(pack_i32([shared] * groups), pack_i32([m * members for m in range(groups)]),
                                      pack_i32([r // members for r in range(requests)]), pack_i32([shared] * requests))
-        flat, _, _ = pack_decode_groups(prefix_groups, 0, max(1, requests // 2), requests)
+        slices = functools.partial(kernels.prefix_slices, num_q_heads=cfg.num_heads, num_kv_heads=kv_heads,
+                                   dtype=torch.bfloat16, device=torch.device(device))
+        flat, _, _ = pack_decode_groups(prefix_groups, 0, max(1, requests // 2), requests, slices)
         decode_groups = DecodeGroups.view(torch.from_numpy(flat).to(device), max(1, requests // 2), requests,
-                                          CONTEXT_LEN, requests)
+                                          CONTEXT_LEN, requests, kernels.prefix_slices_bound(CONTEXT_LEN))
     ints = lambda t: t.to(device)  # noqa: E731
     ctx = ForwardContext(
         num_extend_reqs=0, num_extend_tokens=0, req_to_token=ints(table),

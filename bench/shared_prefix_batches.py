@@ -5,6 +5,8 @@ A batch is G groups (a prefix of P_g tokens shared by the group's members, each 
 plus ungrouped requests, in shuffled batch order, with unused table entries pointing at real but wrong slots.
 """
 
+import inspect
+
 import torch
 
 BYTES_PER_ELEMENT = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
@@ -79,6 +81,8 @@ def run_plain(impl, b, o):
 
 
 def run_grouped(impl, b, o, **splits):
+    if "prefix_splits" in inspect.signature(impl.decode_attention_grouped).parameters:
+        splits = {**b.get("slicing", {}), **splits}  # the split kernels take the step's slicing from the table
     impl.decode_attention_grouped(
         b["q"], b["k_cache"], b["v_cache"], o, b["req_to_token"], b["req_pool_indices"], b["seq_lens"],
         b["group_prefix_lens"], b["group_prefix_rows"], b["group_member_start"], b["group_members"], b["req_group"],
@@ -115,7 +119,16 @@ def own_bytes(b):
 
 def graph_padded(b, context_len, num_groups):
     """The batch as a decode CUDA graph sees it (radixserve/worker/cuda_graph.py): the group table padded to
-    num_groups empty groups, the bounds fixed at the context length and the batch size."""
+    num_groups empty groups, the bounds fixed at the context length and the batch size, and the split kernels'
+    slices per prefix chosen from the real groups (as forward_context.pack_decode_groups does) under the graph's
+    bound."""
+    from kernels import shared_prefix_attention
+    real_groups = b["group_prefix_lens"].shape[0]
+    slices = shared_prefix_attention.prefix_slices(real_groups, b["max_group_size"], b["max_prefix_len"],
+                                                   b["q"].shape[1], b["k_cache"].shape[1], b["q"].dtype,
+                                                   b["q"].device)
+    slicing = dict(num_prefix_splits=shared_prefix_attention.prefix_slices_bound(context_len),
+                   prefix_splits=torch.tensor([slices], dtype=torch.int32, device=b["q"].device))
     pad = num_groups - b["group_prefix_lens"].shape[0]
     assert pad >= 0
     device = b["q"].device
@@ -124,7 +137,7 @@ def graph_padded(b, context_len, num_groups):
     return dict(b, group_prefix_lens=torch.cat([b["group_prefix_lens"], zeros]),
                 group_prefix_rows=torch.cat([b["group_prefix_rows"], zeros]),
                 group_member_start=torch.cat([start, start[-1:].expand(pad)]),
-                max_seq_len=context_len, max_prefix_len=context_len, max_group_size=b["q"].shape[0])
+                max_seq_len=context_len, max_prefix_len=context_len, max_group_size=b["q"].shape[0], slicing=slicing)
 
 
 def layer_copies(b, layers, generator_seed=0):

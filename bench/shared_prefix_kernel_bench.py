@@ -39,12 +39,15 @@ GEOMETRIES = {"W1": (8, 16, 1024, 128), "gsp": (8, 16, 2048, 128)}  # groups, me
 CONTEXT_LEN = 40960  # Qwen3's: the bound a decode CUDA graph is captured with
 
 
-def check_case(rows, impl, plain, reference, dtype, hq, hkv, d, groups, ungrouped, case, g, forced=None, **layout):
+def check_case(rows, impl, plain, reference, dtype, hq, hkv, d, groups, ungrouped, case, g, forced=None,
+               graph_groups=None, **layout):
     """Grouped (impl) vs the plain decode kernel, both writing fp32; vs the fp32 reference when it fits. forced:
-    keyword arguments of impl.decode_attention_grouped that override its policy (split counts, programs)."""
+    keyword arguments of impl.decode_attention_grouped that override its policy (split counts, programs).
+    graph_groups: the grouped call gets the table and bounds a decode CUDA graph of that many groups passes."""
     b = make_grouped_batch(groups, ungrouped, hq, hkv, d, dtype, b_device(), g, **layout)
     out = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=b["q"].device)
-    run_grouped(impl, b, out, **(forced or {}))
+    run_grouped(impl, graph_padded(b, 4 * b["max_seq_len"], graph_groups) if graph_groups else b, out,
+                **(forced or {}))
     expect = torch.full_like(out, float("nan"))
     run_plain(plain, b, expect)
     err = rel_err(out, expect)
@@ -87,6 +90,8 @@ def run_checks(rows, paths, plain, reference, small, g, quick=False):
                        "one group, prefix via other row, 2 pads", g, prefix_row="other", pad_groups=2)
             check_case(rows, impl, plain, reference, torch.float32, 14, 2, 32, [(40, [3] * 6), (9, [1, 2])], [7],
                        "GQA 7, a group over two member blocks", g)
+            check_case(rows, impl, plain, reference, torch.float32, 8, 2, 32, [(300, [2, 5, 1]), (40, [7, 3])], [9],
+                       "padded as a CUDA graph (7 groups)", g, graph_groups=7)
             for forced in forced_cases:
                 for dtype in (torch.float32, torch.float16):
                     check_case(rows, impl, plain, reference, dtype, 8, 2, 64, [(70, [1, 40, 9]), (3, [66])],
@@ -251,8 +256,11 @@ def main():
     failed = []
     started = time.time()
     if not args.no_checks:
+        # The last split case: the step's slice count (3) as the group table carries it, below the grid's bound (8).
+        step_slices = torch.tensor([3], dtype=torch.int32, device=_DEVICE[0])
         paths = {shared_prefix_attention: [dict(num_suffix_splits=3, num_prefix_splits=4),
-                                           dict(num_suffix_splits=1, num_prefix_splits=3, fuse_merge=False)],
+                                           dict(num_suffix_splits=1, num_prefix_splits=3, fuse_merge=False),
+                                           dict(num_suffix_splits=1, num_prefix_splits=8, prefix_splits=step_slices)],
                  one_launch_decode: [dict(num_suffix_splits=3, prefix_programs=3,
                                           policy=dict(slice_tokens=16, max_slices=3)),
                                      dict(num_suffix_splits=2, prefix_programs=2,

@@ -144,7 +144,8 @@ def _shared_prefix_impl(tensor):
 
 def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
                              group_prefix_lens, group_prefix_rows, group_member_start, group_members,
-                             req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len, max_group_size):
+                             req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len, max_group_size,
+                             prefix_splits=None, max_prefix_splits=None):
     """decode_attention that reads each group's shared prefix K/V once for all its members; o in place.
 
     Group g's members, group_members[group_member_start[g]:group_member_start[g + 1]] (batch indices),
@@ -153,12 +154,34 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     begin (its group's prefix length, or 0; below seq_len). Ungrouped requests get plain decode
     attention, and a batch with no group takes decode_attention itself. The host ints bound the
     suffixes (max_seq_len), prefixes and group sizes and fix the grids (constants under CUDA graphs;
-    pad the group table with empty groups). All index tensors int32. See kernels/shared_prefix_attention.py.
+    pad the group table with empty groups). All index tensors int32. prefix_splits (int32 [1], on the device) is the
+    step's count of slices per prefix, at most max_prefix_splits (a host int: the grid's): the group table's
+    (forward_context.pack_decode_groups). See kernels/shared_prefix_attention.py.
     """
-    (_decode_impl(q) or _shared_prefix_impl(q)).decode_attention_grouped(
+    one_launch = _decode_impl(q)
+    if one_launch is not None:  # the one-launch kernel and the twin slice the prefixes themselves
+        one_launch.decode_attention_grouped(
+            q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, group_prefix_lens, group_prefix_rows,
+            group_member_start, group_members, req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len,
+            max_group_size)
+        return
+    _shared_prefix_impl(q).decode_attention_grouped(
         q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, group_prefix_lens, group_prefix_rows,
         group_member_start, group_members, req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len,
-        max_group_size)
+        max_group_size, num_prefix_splits=max_prefix_splits, prefix_splits=prefix_splits)
+
+
+def prefix_slices(num_groups, max_group_size, max_prefix_len, num_q_heads, num_kv_heads, dtype, device):
+    """Slices per shared prefix that decode_attention_grouped's split kernels cut a step of these real bounds into."""
+    from kernels import shared_prefix_attention
+    return shared_prefix_attention.prefix_slices(num_groups, max_group_size, max_prefix_len, num_q_heads,
+                                                 num_kv_heads, dtype, device)
+
+
+def prefix_slices_bound(max_prefix_len):
+    """The most slices prefix_slices can give under this prefix bound (a CUDA graph's grid)."""
+    from kernels import shared_prefix_attention
+    return shared_prefix_attention.prefix_slices_bound(max_prefix_len)
 
 
 def rmsnorm(x, weight, eps, residual=None):
@@ -224,4 +247,4 @@ def linear(x, weight, bias=None):
 
 __all__ = ["BACKENDS", "OPTIONS", "set_backend", "get_backend", "configure", "store_kv", "extend_attention",
            "decode_attention", "decode_attention_grouped", "rmsnorm", "rope", "silu_and_mul", "qk_norm_rope_store",
-           "gate_up_silu", "linear"]
+           "gate_up_silu", "linear", "prefix_slices", "prefix_slices_bound"]

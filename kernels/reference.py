@@ -150,8 +150,10 @@ def _attend_with_lse(q, keys, values, valid, sm_scale):
 
 def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
                              group_prefix_lens, group_prefix_rows, group_member_start, group_members,
-                             req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len, max_group_size):
-    """decode_attention, with each group's shared prefix gathered and attended once for all its members.
+                             req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len, max_group_size,
+                             num_prefix_splits=None, prefix_splits=None):
+    """decode_attention, with each group's shared prefix gathered and attended once for all its members (the split
+    kernels' slicing arguments change nothing here).
 
     Same three steps as kernels/shared_prefix_attention.py: every group's members (x their GQA heads)
     attend its prefix together, every request attends its own positions [suffix_start, seq_len), and

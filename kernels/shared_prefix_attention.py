@@ -5,18 +5,21 @@ once per request. Here the batch is described as G groups: a group is >= 1 reque
 P_g context positions are the same KV slots (the radix cache hands every such request the same
 slots). Its prefix is attended by all members together and the rest of each request alone:
 
-1. prefix kernel. One program = one group x one KV head x BLOCK_M query rows x one slice of the
-   prefix. The rows are the group's members times the query heads of that KV head (GQA), so a tile
-   is a small prefill-shaped problem (tiled like the extend kernel) and each prefix K/V row is read
-   once per group instead of once per member. The prefix is split along its length when groups
-   are few, so that the SMs fill up. Each slice writes a softmax-normalised partial output and its
-   log-sum-exp per query row.
+1. prefix kernel. One program = one group x one KV head x one slice of the prefix, walking the
+   group's rows BLOCK_M at a time. The rows are the group's members times the query heads of that
+   KV head (GQA), so a tile is a small prefill-shaped problem (tiled like the extend kernel) and
+   each prefix K/V row is read once per group instead of once per member. The prefix is split along
+   its length when groups are few, so that the SMs fill up: the step's slice count is a device int
+   the host sets from the real groups (group_prefix_splits), so a CUDA graph captured for padded
+   bounds slices as an eager step would. Each slice writes a softmax-normalised partial output and
+   its log-sum-exp per query row; the last slice of a (group, KV head) to finish folds them into
+   one, so the steps below read one prefix partial per row however finely it was sliced.
 2. suffix kernel. The split-KV decode kernel over each request's own positions only,
    [suffix_start, seq_len): suffix_start is P_g for a member, 0 for an ungrouped request (which
    then gets exactly the plain decode computation).
 3. merge by log-sum-exp, fused when it can be. In a large batch the suffix takes one split per
    (request, KV head) and the prefix kernel runs first: the suffix program then folds the group's
-   prefix slices into its own running softmax and writes o, so neither a merge launch nor the
+   prefix partial into its own running softmax and writes o, so neither a merge launch nor the
    suffix partials touch memory. Otherwise (few requests, long own contexts) both kernels write
    partials into one scratch buffer, suffix splits first, and the decode kernel's log-sum-exp
    reduction merges all of them in one pass.
@@ -28,6 +31,7 @@ Inputs beside the plain decode kernel's (all int32, on the device):
   group_members [M]         batch indices; members need not be contiguous in the batch
   req_group [B]             the group of each request, -1 for none (consistent with group_members)
   req_suffix_start [B]      P_g of its group, or 0; must be < seq_len (the new token is its own)
+  prefix_splits [1]         (optional) the slices per prefix this step, at most num_prefix_splits
 Host ints size the grids without a device sync: max_seq_len bounds every suffix, max_prefix_len
 every P_g, max_group_size every group. Under CUDA graphs pass fixed bounds and pad the group table
 with empty groups (equal member_start entries): their programs exit at once.
@@ -49,19 +53,30 @@ from kernels.triton_common import (LOG2E, MERGE_BLOCK_S, assert_last_dim_contigu
 # the group tables' pointers are exempt from alignment specialisation. All of these change with the batch's size, its
 # groups and the longest context, and each new combination would be a compile of a second or more in the middle of
 # serving (suspected cause of H100 W1 runs taking up to 3x their median: bench/results/; bench/kernel_variants.py).
-@jit(do_not_specialize=["num_splits", "prefix_splits", "fused"],
+@triton.jit
+def prefix_slicing(prefix_len, Prefix_splits, max_splits, PREFIX_BLOCK_N: tl.constexpr):
+    """(slice length, live slices) of a prefix this step: the step's slice count (a device int the host sets from
+    the real groups, so that a CUDA graph captured for padded bounds slices as finely as an eager step), at most the
+    grid's max_splits, and no more slices than the prefix has BLOCK_N tiles."""
+    splits = tl.maximum(tl.minimum(tl.load(Prefix_splits), max_splits), 1)
+    slice_len = tl.cdiv(tl.cdiv(prefix_len, splits), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
+    live = tl.where(prefix_len > 0, tl.cdiv(prefix_len, tl.maximum(slice_len, 1)), 0)
+    return slice_len, live
+
+
+@jit(do_not_specialize=["num_splits", "fused"],
      unaligned=["Req_pool_indices", "Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
 def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Suffix_start,
                          Mid_o, Mid_lse, O, Req_group, Group_prefix_lens, qk_scale,
                          stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
                          stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                         num_splits, prefix_splits, fused,
+                         num_splits, fused,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr):
     # triton_attention's decode split kernel, shifted to start at the request's own tokens.
     # fused (one split only): the prefix kernel has already run, and this program folds the group's
-    # prefix slices into its own running softmax and writes o itself: no merge launch, and the suffix
+    # prefix partial into its own running softmax and writes o itself: no merge launch, and the suffix
     # part never goes through memory. A runtime branch, not a constexpr: which path a step takes
     # follows its batch size, and one binary serves both.
     req = tl.program_id(0)
@@ -97,13 +112,10 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
         group = tl.load(Req_group + req)
         prefix_len = tl.load(Group_prefix_lens + tl.maximum(group, 0))
         prefix_len = tl.where(group >= 0, prefix_len, 0)
-        slice_len = tl.cdiv(tl.cdiv(prefix_len, prefix_splits), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
-        # The prefix kernel skipped the slices that start past the prefix; so does this loop.
-        live_slices = tl.where(prefix_len > 0, tl.cdiv(prefix_len, tl.maximum(slice_len, 1)), 0)
-        for s in range(0, live_slices):
-            # A slice's normalised output and lse are a running state (m, l, acc) = (lse, 1, out).
-            lse = tl.load(Mid_lse + req * stride_mlb + heads * stride_mlh + s, mask=head_ok, other=float("-inf"))
-            part = tl.load(Mid_o + req * stride_mob + heads[:, None] * stride_moh + s * stride_mos + dims[None, :],
+        if prefix_len > 0:
+            # The prefix kernel left one partial per row (its slices merged): a running state (lse, 1, out).
+            lse = tl.load(Mid_lse + req * stride_mlb + heads * stride_mlh, mask=head_ok, other=float("-inf"))
+            part = tl.load(Mid_o + req * stride_mob + heads[:, None] * stride_moh + dims[None, :],
                            mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
             m_new = tl.maximum(m_i, lse)
             alpha = tl.exp2(m_i - m_new)
@@ -121,66 +133,98 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
 
 
 @jit(do_not_specialize=["first_split", "num_splits"],
-     unaligned=["Group_prefix_lens", "Group_prefix_rows", "Group_member_start", "Group_members"])
+     unaligned=["Group_prefix_lens", "Group_prefix_rows", "Group_member_start", "Group_members", "Prefix_splits"])
 def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_prefix_rows, Group_member_start,
-                   Group_members, Mid_o, Mid_lse, qk_scale,
+                   Group_members, Prefix_splits, Counters, Mid_o, Mid_lse, qk_scale,
                    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, first_split, num_splits,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    DOT_PRECISION: tl.constexpr):
-    # Row blocks of one (group, KV head, slice) are adjacent in launch order: they read the same
-    # K/V, so the second one finds it in L2 when a big group needs several row blocks.
-    m_block = tl.program_id(0)
-    group = tl.program_id(1) // NUM_KV_HEADS
-    kv_head = tl.program_id(1) % NUM_KV_HEADS
-    split = tl.program_id(2)
+    # One program per (group, KV head, slice); a group with more rows than one tile walks its row blocks in turn,
+    # the second finding the slice's K/V in L2. The grid is sized by group count and slices alone, so the padding
+    # of a CUDA graph's table (empty groups, a group-size bound of the whole batch) costs one early exit per group
+    # and slice, not per row block as well.
+    group = tl.program_id(0) // NUM_KV_HEADS
+    kv_head = tl.program_id(0) % NUM_KV_HEADS
+    split = tl.program_id(1)
 
     member0 = tl.load(Group_member_start + group)
-    num_members = tl.load(Group_member_start + group + 1) - member0
-    first_row = m_block * BLOCK_M
-    if first_row >= num_members * GROUP:
-        return  # the grid is sized for the largest group (and for padding groups with no members)
+    num_rows = (tl.load(Group_member_start + group + 1) - member0) * GROUP
+    if num_rows == 0:
+        return  # a padding group
     prefix_len = tl.load(Group_prefix_lens + group)
-    split_len = tl.cdiv(tl.cdiv(prefix_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len, live = prefix_slicing(prefix_len, Prefix_splits, num_splits, BLOCK_N)
+    if split >= live:
+        return
     start = split * split_len
     end = tl.minimum(start + split_len, prefix_len)
-    if start >= end:
-        return
-
-    # Row r of the tile is query head (r % GROUP) of this KV head, for member (r // GROUP).
-    rows = first_row + tl.arange(0, BLOCK_M)
-    row_ok = rows < num_members * GROUP
-    reqs = tl.load(Group_members + member0 + rows // GROUP, mask=row_ok, other=0).to(tl.int64)
-    heads = kv_head * GROUP + rows % GROUP
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
-    q = tl.load(Q + reqs[:, None] * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
     table = Req_to_token + tl.load(Group_prefix_rows + group).to(tl.int64) * stride_rt
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    m_i, l_i, acc = attend_table_range(q, m_i, l_i, acc, table, start, end, K_cache + kv_head * stride_kh,
-                                       V_cache + kv_head * stride_vh, stride_kn, stride_vn, dims, dim_ok, qk_scale,
-                                       BLOCK_N, EVEN_D, DOT_PRECISION)
-
     slot = first_split + split
-    out_ptr = Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + slot * stride_mos + dims[None, :]
-    tl.store(out_ptr, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
-    tl.store(Mid_lse + reqs * stride_mlb + heads * stride_mlh + slot, m_i + tl.log2(l_i), mask=row_ok)
+    for first_row in range(0, num_rows, BLOCK_M):
+        # Row r of the tile is query head (r % GROUP) of this KV head, for member (r // GROUP).
+        rows = first_row + tl.arange(0, BLOCK_M)
+        row_ok = rows < num_rows
+        reqs = tl.load(Group_members + member0 + rows // GROUP, mask=row_ok, other=0).to(tl.int64)
+        heads = kv_head * GROUP + rows % GROUP
+        q = tl.load(Q + reqs[:, None] * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        m_i, l_i, acc = attend_table_range(q, m_i, l_i, acc, table, start, end, K_cache + kv_head * stride_kh,
+                                           V_cache + kv_head * stride_vh, stride_kn, stride_vn, dims, dim_ok,
+                                           qk_scale, BLOCK_N, EVEN_D, DOT_PRECISION)
+        out_ptr = (Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + slot * stride_mos
+                   + dims[None, :])
+        tl.store(out_ptr, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(Mid_lse + reqs * stride_mlb + heads * stride_mlh + slot, m_i + tl.log2(l_i), mask=row_ok)
+
+    if live > 1:
+        # The slices of one (group, KV head) fold into the first slice's slot, done by whichever of their programs
+        # ends last (a count per (group, KV head) that it puts back to 0), so that the suffix reads one prefix
+        # partial per row however finely the prefix was sliced. acq_rel: each slice's partials are visible before
+        # its count, and the last program sees them all.
+        counter = Counters + tl.program_id(0)
+        if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
+            for first_row in range(0, num_rows, BLOCK_M):
+                rows = first_row + tl.arange(0, BLOCK_M)
+                row_ok = rows < num_rows
+                reqs = tl.load(Group_members + member0 + rows // GROUP, mask=row_ok, other=0).to(tl.int64)
+                heads = kv_head * GROUP + rows % GROUP
+                lse_base = Mid_lse + reqs * stride_mlb + heads * stride_mlh + first_split
+                part_base = (Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh
+                             + first_split * stride_mos + dims[None, :])
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_M], tl.float32)
+                acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                for s in range(0, live):  # a slice's (out, lse) is the running state (lse, 1, out)
+                    lse = tl.load(lse_base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    part = tl.load(part_base + s * stride_mos, mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
+                                   cache_modifier=".cg")
+                    m_new = tl.maximum(m_i, lse)
+                    alpha = tl.exp2(m_i - m_new)
+                    beta = tl.exp2(lse - m_new)
+                    acc = acc * alpha[:, None] + part * beta[:, None]
+                    l_i = l_i * alpha + beta
+                    m_i = m_new
+                tl.store(part_base, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+                tl.store(lse_base, m_i + tl.log2(l_i), mask=row_ok)
+            tl.atomic_xchg(counter, 0)
 
 
-@jit(do_not_specialize=["suffix_splits", "prefix_splits"],
-     unaligned=["Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
+@jit(do_not_specialize=["suffix_splits"], unaligned=["Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
 def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_prefix_lens,
                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                  suffix_splits, prefix_splits,
+                  suffix_splits,
                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                  SUFFIX_BLOCK_N: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr):
-    # One log-sum-exp reduction over the suffix splits and the group's prefix slices together, BLOCK_S at a time.
+                  SUFFIX_BLOCK_N: tl.constexpr):
+    # One log-sum-exp reduction over the suffix splits and the group's prefix partial (slot suffix_splits: the
+    # prefix kernel merged its slices there), BLOCK_S at a time.
     req = tl.program_id(0)
     head = tl.program_id(1)
     own_len = tl.load(Seq_lens + req) - tl.load(Suffix_start + req)
@@ -189,7 +233,7 @@ def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_pr
     prefix_len = tl.where(group >= 0, prefix_len, 0)
 
     suffix_split_len = tl.cdiv(tl.cdiv(own_len, suffix_splits), SUFFIX_BLOCK_N) * SUFFIX_BLOCK_N
-    prefix_split_len = tl.cdiv(tl.cdiv(prefix_len, prefix_splits), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
+    prefix_live = tl.where(prefix_len > 0, 1, 0)  # the prefix kernel merged its slices into the first
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     lse_base = Mid_lse + req * stride_mlb + head * stride_mlh
@@ -198,11 +242,10 @@ def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_pr
     m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
     l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, suffix_splits + prefix_splits, BLOCK_S):
+    for s0 in range(0, suffix_splits + 1, BLOCK_S):
         splits = s0 + tl.arange(0, BLOCK_S)
         live = tl.where(splits < suffix_splits, splits * suffix_split_len < own_len,
-                        (splits < suffix_splits + prefix_splits)
-                        & ((splits - suffix_splits) * prefix_split_len < prefix_len))
+                        splits - suffix_splits < prefix_live)
         m_i, l_i, acc = merge_partials_block(lse_base, part_base, stride_mos, splits, live, dims, dim_ok,
                                              m_i, l_i, acc)
     tl.store(O + req * stride_ob + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)
@@ -219,8 +262,9 @@ PREFIX_CONFIG = {
     "fp32": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
     "interpret": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
 }
-# Prefix slices: enough programs for a few per SM, never slices shorter than min_split_tokens.
-PREFIX_SPLITS = {"programs_per_sm": 4, "min_split_tokens": 512, "max_splits": 64}
+# Prefix slices: enough programs for a few per SM, never slices shorter than min_split_tokens, at most max_splits (the
+# grid's slice dimension under a CUDA graph, where most programs of a padded table exit at once).
+PREFIX_SPLITS = {"programs_per_sm": 4, "min_split_tokens": 256, "max_splits": 8}
 
 
 def prefix_config(dtype, device):
@@ -237,11 +281,41 @@ def prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device
     return power_of_two_at_most(splits)
 
 
+_merge_counts: dict = {}
+
+
+def merge_counters(device, entries: int) -> torch.Tensor:
+    """The zeroed per-(group, KV head) counts of the prefix kernel's slice merge (kept: every launch leaves them at 0;
+    allocated on first use, which is an eager warm-up before any CUDA graph capture)."""
+    buf = _merge_counts.get(device)
+    if buf is None or buf.numel() < entries:
+        buf = torch.zeros(max(1 << 16, entries), dtype=torch.int32, device=device)
+        _merge_counts[device] = buf
+    return buf
+
+
+def prefix_slices(num_groups, max_group_size, max_prefix_len, num_q_heads, num_kv_heads, dtype, device):
+    """How many slices each prefix is cut into in a step of these real bounds: the host's choice, which the group
+    table carries to the kernels (forward_context.pack_decode_groups)."""
+    m_blocks = triton.cdiv(max(1, max_group_size * (num_q_heads // num_kv_heads)),
+                           prefix_config(dtype, device)["BLOCK_M"])
+    return prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device)
+
+
+def prefix_slices_bound(max_prefix_len):
+    """Room for any step's slice count under this prefix bound: the grid's slice dimension for a CUDA graph."""
+    cfg = PREFIX_SPLITS
+    return power_of_two_at_most(min(cfg["max_splits"], triton.cdiv(max(1, max_prefix_len), cfg["min_split_tokens"])))
+
+
 def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
                              group_prefix_lens, group_prefix_rows, group_member_start, group_members,
                              req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len, max_group_size,
-                             num_suffix_splits=None, num_prefix_splits=None, fuse_merge=None, config=None):
-    """fuse_merge (default: whenever the suffix takes one split) merges inside the suffix kernel."""
+                             num_suffix_splits=None, num_prefix_splits=None, fuse_merge=None, config=None,
+                             prefix_splits=None):
+    """fuse_merge (default: whenever the suffix takes one split) merges inside the suffix kernel. prefix_splits: the
+    step's slice count as a device int32 [1] (the group table's; default num_prefix_splits, or the policy's for these
+    bounds); num_prefix_splits then bounds it (the grid's slice dimension)."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     num_groups = group_prefix_lens.shape[0]
@@ -261,6 +335,8 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     m_blocks = triton.cdiv(max(1, max_group_size * group), pcfg["BLOCK_M"])
     s_splits = num_suffix_splits or triton_attention.decode_num_splits(bsz, hkv, max_seq_len, q.device)
     p_splits = num_prefix_splits or prefix_num_splits(num_groups, hkv, m_blocks, max_prefix_len, q.device)
+    if prefix_splits is None:
+        prefix_splits = torch.full((1,), p_splits, dtype=torch.int32, device=q.device)
     fused = s_splits == 1 if fuse_merge is None else fuse_merge
     assert not fused or s_splits == 1, "the merge fuses into the suffix kernel only when it takes one split"
     first_prefix_split = 0 if fused else s_splits
@@ -273,9 +349,9 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     qk_scale = sm_scale * LOG2E
 
     # The prefix goes first: a fused suffix kernel reads its slices.
-    _prefix_kernel[(m_blocks, num_groups * hkv, p_splits)](
+    _prefix_kernel[(num_groups * hkv, p_splits)](
         q, k_cache, v_cache, req_to_token, group_prefix_lens, group_prefix_rows, group_member_start,
-        group_members, mid_o, mid_lse, qk_scale,
+        group_members, prefix_splits, merge_counters(q.device, num_groups * hkv), mid_o, mid_lse, qk_scale,
         q.stride(0), q.stride(1), *cache_strides, req_to_token.stride(0), *mid_strides, first_prefix_split, p_splits,
         NUM_KV_HEADS=hkv, GROUP=group, HEAD_DIM=d,
         BLOCK_M=pcfg["BLOCK_M"], BLOCK_D=block_d, BLOCK_N=pcfg["BLOCK_N"], DOT_PRECISION=precision,
@@ -285,17 +361,16 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, req_suffix_start, mid_o, mid_lse,
         o, req_group, group_prefix_lens, qk_scale,
         q.stride(0), q.stride(1), *cache_strides, req_to_token.stride(0), *mid_strides, o.stride(0), o.stride(1),
-        s_splits, p_splits, int(fused), GROUP=group, HEAD_DIM=d,
+        s_splits, int(fused), GROUP=group, HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=suffix_cfg["BLOCK_N"],
-        DOT_PRECISION=precision, PREFIX_BLOCK_N=pcfg["BLOCK_N"],
+        DOT_PRECISION=precision,
         num_warps=suffix_cfg["num_warps"], num_stages=suffix_cfg["num_stages"],
     )
     if fused:
         return
     _merge_kernel[(bsz, hq)](
         mid_o, mid_lse, o, seq_lens, req_suffix_start, req_group, group_prefix_lens,
-        *mid_strides, o.stride(0), o.stride(1), s_splits, p_splits,
+        *mid_strides, o.stride(0), o.stride(1), s_splits,
         HEAD_DIM=d, BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d, SUFFIX_BLOCK_N=suffix_cfg["BLOCK_N"],
-        PREFIX_BLOCK_N=pcfg["BLOCK_N"],
         num_warps=1 if block_d <= 64 else 2,
     )

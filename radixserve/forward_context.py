@@ -3,6 +3,7 @@ model forward signatures stay (input_ids, positions)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,34 +15,39 @@ from radixserve.protocol import PrefixGroups, unpack_i32
 @dataclass
 class DecodeGroups:
     """kernels.decode_attention_grouped's group tables for the decode part of the batch (request indices count
-    from the first decode). Six int32 views of one flat tensor, so that a step moves them in one copy."""
+    from the first decode). Seven int32 views of one flat tensor, so that a step moves them in one copy."""
     prefix_lens: torch.Tensor  # [G]
     prefix_rows: torch.Tensor  # [G]
     member_start: torch.Tensor  # [G + 1]
     members: torch.Tensor  # [D]: the first member_start[G] are used
     req_group: torch.Tensor  # [D]
     req_suffix_start: torch.Tensor  # [D]
+    prefix_splits: torch.Tensor  # [1]: slices per prefix this step, chosen by the host from the real groups
     max_prefix_len: int  # bounds every prefix_lens[g] (a constant under CUDA graphs)
     max_group_size: int  # bounds every group's size (likewise)
+    max_prefix_splits: int  # bounds prefix_splits (likewise: the kernels' grid)
 
     @staticmethod
     def flat_size(num_groups: int, num_decodes: int) -> int:
-        return 3 * num_groups + 1 + 3 * num_decodes
+        return 3 * num_groups + 1 + 3 * num_decodes + 1
 
     @classmethod
     def view(cls, flat: torch.Tensor, num_groups: int, num_decodes: int, max_prefix_len: int,
-             max_group_size: int) -> "DecodeGroups":
+             max_group_size: int, max_prefix_splits: int) -> "DecodeGroups":
         g, d = num_groups, num_decodes
-        parts = flat[:cls.flat_size(g, d)].split([g, g, g + 1, d, d, d])
-        return cls(*parts, max_prefix_len=max_prefix_len, max_group_size=max_group_size)
+        parts = flat[:cls.flat_size(g, d)].split([g, g, g + 1, d, d, d, 1])
+        return cls(*parts, max_prefix_len=max_prefix_len, max_group_size=max_group_size,
+                   max_prefix_splits=max_prefix_splits)
 
 
 def pack_decode_groups(groups: PrefixGroups, num_extend: int, num_groups: int | None = None,
-                       num_decodes: int | None = None) -> tuple[np.ndarray, int, int]:
+                       num_decodes: int | None = None,
+                       slices: Callable[[int, int, int], int] | None = None) -> tuple[np.ndarray, int, int]:
     """The flat int32 layout DecodeGroups.view reads, from the batch's PrefixGroups; the decode part starts at batch
     index num_extend. num_groups / num_decodes pad it to a captured graph's shape: padding groups are empty (they
-    cost the kernels one early exit) and padding requests are in no group. Returns (flat, max prefix length,
-    largest group)."""
+    cost the kernels one early exit) and padding requests are in no group. slices(groups, largest group, longest
+    prefix) gives the step's slices per prefix from the real groups (the model's kernels.prefix_slices; default 1).
+    Returns (flat, max prefix length, largest group)."""
     prefix_lens, prefix_rows = unpack_i32(groups.prefix_lens), unpack_i32(groups.prefix_rows)
     req_group = unpack_i32(groups.req_group)[num_extend:]
     suffix_start = unpack_i32(groups.req_suffix_start)[num_extend:]
@@ -61,7 +67,9 @@ def pack_decode_groups(groups: PrefixGroups, num_extend: int, num_groups: int | 
     member_list[:len(members)] = members
     req_groups[:] = -1
     req_groups[:d], suffixes[:d] = req_group, suffix_start
-    return flat, int(prefix_lens.max(initial=0)), int(sizes.max(initial=0))
+    max_prefix_len, max_group_size = int(prefix_lens.max(initial=0)), int(sizes.max(initial=0))
+    flat[-1] = slices(g, max_group_size, max_prefix_len) if slices is not None and g else 1
+    return flat, max_prefix_len, max_group_size
 
 
 @dataclass

@@ -56,5 +56,6 @@ class Attention(nn.Module):
             kernels.decode_attention_grouped(
                 q[t:], self.k_cache, self.v_cache, o[t:], ctx.req_to_token, ctx.req_pool_indices[n:],
                 ctx.seq_lens[n:], g.prefix_lens, g.prefix_rows, g.member_start, g.members, g.req_group,
-                g.req_suffix_start, self.scale, ctx.max_seq_len, g.max_prefix_len, g.max_group_size)
+                g.req_suffix_start, self.scale, ctx.max_seq_len, g.max_prefix_len, g.max_group_size,
+                prefix_splits=g.prefix_splits, max_prefix_splits=g.max_prefix_splits)
         return o

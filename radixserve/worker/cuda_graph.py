@@ -19,6 +19,7 @@ import time
 import numpy as np
 import torch
 
+import kernels
 from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
 from radixserve.protocol import PrefixGroups
 
@@ -37,8 +38,9 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 class DecodeCudaGraphs:
     def __init__(self, model: torch.nn.Module, req_to_token: torch.Tensor, future_tokens: torch.Tensor,
-                 context_len: int, max_bs: int, grouped: bool = False, staging=None):
+                 context_len: int, max_bs: int, grouped: bool = False, staging=None, prefix_slices=None):
         self.model = model
+        self.prefix_slices = prefix_slices  # pack_decode_groups's slices: each step's slices per shared prefix
         self.staging = staging  # a worker.pinned_staging.PinnedStaging: each step's inputs in one copy
         self.req_to_token = req_to_token
         self.future_tokens = future_tokens
@@ -79,7 +81,8 @@ class DecodeCudaGraphs:
             # Captured with no members (every group empty): all decodes take the plain suffix path meanwhile.
             flat, _, _ = pack_decode_groups(PrefixGroups(b"", b"", b"", b""), 0, max_groups(bs), bs)
             self.group_table[:len(flat)].copy_(torch.from_numpy(flat))
-            groups = DecodeGroups.view(self.group_table, max_groups(bs), bs, self.context_len, bs)
+            groups = DecodeGroups.view(self.group_table, max_groups(bs), bs, self.context_len, bs,
+                                       kernels.prefix_slices_bound(self.context_len))
         return ForwardContext(
             num_extend_reqs=0, num_extend_tokens=0, req_to_token=self.req_to_token,
             req_pool_indices=self.req_pool_indices[:bs], prefix_lens=unused, extend_lens=unused,
@@ -138,7 +141,7 @@ class DecodeCudaGraphs:
         ids[n:bs], pos[n:bs], rows[n:bs], lens[n:bs], slots[n:bs] = 0, 0, 0, 1, 0
         grouped = prefix_groups is not None and self.group_table is not None
         if grouped:
-            flat, _, _ = pack_decode_groups(prefix_groups, 0, max_groups(bs), bs)
+            flat, _, _ = pack_decode_groups(prefix_groups, 0, max_groups(bs), bs, self.prefix_slices)
             table[:len(flat)] = flat
         elif prefix_groups is not None:
             raise RuntimeError("prefix groups sent to a worker whose CUDA graphs were captured without them")

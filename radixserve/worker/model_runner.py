@@ -6,6 +6,7 @@ scheduler decides slots but holds no table (ReqToTokenPool says why)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,13 +122,18 @@ class ModelRunner:
         self.future_tokens = torch.zeros(future_token_ring_size(server_args.max_running_requests), dtype=torch.int64,
                                          device=self.device)
         self._prompt_logprobs: dict[int, list] = {}  # by step: computed in compute_logits, sent by finish_step
+        # How many slices the grouped decode kernels cut each shared prefix into, from a step's real groups.
+        tp = get_tp_size()
+        self.prefix_slices = functools.partial(kernels.prefix_slices, num_q_heads=self.model_config.num_heads // tp,
+                                               num_kv_heads=self.model_config.kv_heads_per_rank(tp),
+                                               dtype=self.dtype, device=self.device)
         self.cuda_graphs = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
             self.cuda_graphs = DecodeCudaGraphs(self.model, self.req_to_token_pool.table, self.future_tokens,
                                                 self.context_len,
                                                 min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
                                                 grouped=not server_args.disable_shared_prefix_attention,
-                                                staging=self.staging)
+                                                staging=self.staging, prefix_slices=self.prefix_slices)
         self.prefill_graphs = None
         if (self.device.type == "cuda" and not server_args.disable_cuda_graph
                 and not server_args.disable_prefill_cuda_graph and server_args.prefill_cuda_graph_max_tokens > 0):
@@ -229,11 +235,12 @@ class ModelRunner:
         """The batch's prefix groups as the grouped decode kernel takes them (one host-to-device copy)."""
         if batch.prefix_groups is None:
             return None
-        flat, max_prefix_len, max_group_size = pack_decode_groups(batch.prefix_groups, num_extend)
+        flat, max_prefix_len, max_group_size = pack_decode_groups(batch.prefix_groups, num_extend,
+                                                                  slices=self.prefix_slices)
         num_groups = len(unpack_i32(batch.prefix_groups.prefix_lens))
         return DecodeGroups.view(self.staging.to_device(flat), num_groups,
                                  len(unpack_i32(batch.req_pool_indices)) - num_extend, max_prefix_len,
-                                 max_group_size)
+                                 max_group_size, max_prefix_splits=int(flat[-1]))
 
     def prepare(self, batch: ForwardBatch, all_positions: bool = False) -> StepInputs:
         """Unpack the batch once: host-tier copies queued, new requests registered, and then either the host arrays
