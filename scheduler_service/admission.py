@@ -31,8 +31,9 @@ class Admission:
 
     def __init__(self, args: ServerArgs, context_len: int, tree: RadixCache, host_tier: HostTier | None,
                  slot_allocator: TokenSlotAllocator, row_allocator: ReqPoolAllocator, waiting: deque[Req],
-                 running: list[Req], memory: MemoryPressure, new_token_ratio: NewTokenRatio, stats: SchedulerStats):
-        """waiting and running are the Scheduler's (changed in place); memory evicts to make room for a chunk;
+                 running: list[Req], memory_pressure: MemoryPressure, new_token_ratio: NewTokenRatio,
+                 stats: SchedulerStats):
+        """waiting and running are the Scheduler's (changed in place); memory_pressure evicts to make room;
         new_token_ratio is the share of outputs to reserve; stats counts the cached prompt tokens."""
         self.args = args
         self.context_len = context_len
@@ -42,7 +43,7 @@ class Admission:
         self.row_allocator = row_allocator
         self.waiting = waiting
         self.running = running
-        self.memory = memory
+        self.memory_pressure = memory_pressure
         self.new_token_ratio = new_token_ratio
         self.stats = stats
 
@@ -57,7 +58,7 @@ class Admission:
             if budget <= 0:
                 break
             n = min(req.num_pending, budget)
-            if self.memory.ensure_free_slots(committed + n):
+            if self.memory_pressure.ensure_free_slots(committed + n):
                 entries.append((req, n))
                 budget -= n
                 committed += n
@@ -99,7 +100,7 @@ class Admission:
             if need > available and (self.running or admitted):
                 break  # FCFS within the chosen order: do not let small requests overtake forever
             self.tree.inc_lock_ref(match.last_node)
-            if not self.memory.ensure_free_slots(committed + n):
+            if not self.memory_pressure.ensure_free_slots(committed + n):
                 self.tree.dec_lock_ref(match.last_node)
                 break
             self._start(req, match)
