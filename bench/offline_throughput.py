@@ -97,18 +97,29 @@ def modelled_kv_read(w: Workload, grouped: bool, bytes_per_token: int, min_token
     return w.requests * (w.system_len + own) * bytes_per_token
 
 
-def triton_compiles() -> int:
+def triton_cache_entries() -> set[str]:
     """Kernels Triton has compiled in this mode's processes so far: each compile adds one entry to the cache
     directory that run_mode gives the mode (a fresh one, so that loads from an older cache do not hide a compile)."""
     directory = os.environ.get("TRITON_CACHE_DIR")
-    return len(os.listdir(directory)) if directory and os.path.isdir(directory) else 0
+    return set(os.listdir(directory)) if directory and os.path.isdir(directory) else set()
+
+
+def triton_compiles() -> int:
+    return len(triton_cache_entries())
+
+
+def kernel_names(entries: set[str]) -> list[str]:
+    """The kernels of these cache entries (each entry's directory holds <kernel name>.json among its files)."""
+    directory = os.environ["TRITON_CACHE_DIR"]
+    return sorted(name[:-5] for entry in entries for name in os.listdir(os.path.join(directory, entry))
+                  if name.endswith(".json") and not name.startswith("__grp__"))
 
 
 def timed_run(engine: Engine, prompts, output_len: int) -> dict:
     params = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
     assert engine.flush_cache()  # every run starts from an empty cache, as the first did
     before = engine.server_info()
-    compiled_before = triton_compiles()
+    compiled_before = triton_cache_entries()
     start = time.perf_counter()
     results = engine.generate(prompts, params)
     elapsed = time.perf_counter() - start
@@ -127,7 +138,8 @@ def timed_run(engine: Engine, prompts, output_len: int) -> dict:
         "saved_tokens_per_step": round((after.get("shared_prefix_tokens_saved", 0)
                                         - before.get("shared_prefix_tokens_saved", 0)) / max(1, steps)),
         # A compile inside a timed run costs it a second or more; a warm engine should show none.
-        "triton_compiles": triton_compiles() - compiled_before,
+        "triton_compiles": len(triton_cache_entries() - compiled_before),
+        "triton_compiled": kernel_names(triton_cache_entries() - compiled_before),
     }
 
 

@@ -54,6 +54,9 @@ def workload_seconds(engine: Engine, w: Workload, repeats: int, card: dict, key:
     timed_run(engine, prompts, w.output_len)  # warm-up: every shape of the timed runs compiles first
     runs = [timed_run(engine, prompts, w.output_len) for _ in range(repeats)]
     card[key + "_triton_compiles"] = sum(r["triton_compiles"] for r in runs)  # a compile mid-run costs seconds
+    compiled = sorted({name for r in runs for name in r["triton_compiled"]})
+    if compiled:
+        card[key + "_triton_compiled"] = compiled  # which kernels met a new variant after the warm-up
     return [r["seconds"] for r in runs]
 
 

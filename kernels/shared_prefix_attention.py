@@ -12,14 +12,13 @@ slots). Its prefix is attended by all members together and the rest of each requ
    its length when groups are few, so that the SMs fill up: the step's slice count is a device int
    the host sets from the real groups (group_prefix_splits), so a CUDA graph captured for padded
    bounds slices as an eager step would. Each slice writes a softmax-normalised partial output and
-   its log-sum-exp per query row; the last slice of a (group, KV head) to finish folds them into
-   one, so the steps below read one prefix partial per row however finely it was sliced.
+   its log-sum-exp per query row.
 2. suffix kernel. The split-KV decode kernel over each request's own positions only,
    [suffix_start, seq_len): suffix_start is P_g for a member, 0 for an ungrouped request (which
    then gets exactly the plain decode computation).
 3. merge by log-sum-exp, fused when it can be. In a large batch the suffix takes one split per
    (request, KV head) and the prefix kernel runs first: the suffix program then folds the group's
-   prefix partial into its own running softmax and writes o, so neither a merge launch nor the
+   prefix slices into its own running softmax and writes o, so neither a merge launch nor the
    suffix partials touch memory. Otherwise (few requests, long own contexts) both kernels write
    partials into one scratch buffer, suffix splits first, and the decode kernel's log-sum-exp
    reduction merges all of them in one pass.
@@ -64,19 +63,32 @@ def prefix_slicing(prefix_len, Prefix_splits, max_splits, PREFIX_BLOCK_N: tl.con
     return slice_len, live
 
 
-@jit(do_not_specialize=["num_splits", "fused"],
-     unaligned=["Req_pool_indices", "Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
+@triton.jit
+def _fold_slice(m_i, l_i, acc, Lse_row, Part_rows, s, stride_mos, live, dim_ok):
+    """Prefix slice s's normalised output and lse, a running state (lse, 1, out), folded into (m_i, l_i, acc). A
+    slice that is not live loads lse -inf: weight 0 against the finite max of the request's own tokens."""
+    lse = tl.load(Lse_row + s, mask=live, other=float("-inf"))
+    part = tl.load(Part_rows + s * stride_mos, mask=live[:, None] & dim_ok[None, :], other=0.0)
+    m_new = tl.maximum(m_i, lse)
+    alpha = tl.exp2(m_i - m_new)
+    beta = tl.exp2(lse - m_new)
+    return m_new, l_i * alpha + beta, acc * alpha[:, None] + part * beta[:, None]
+
+
+@jit(do_not_specialize=["num_splits", "prefix_splits", "fused"],
+     unaligned=["Req_pool_indices", "Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens", "Prefix_splits"])
 def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Suffix_start,
-                         Mid_o, Mid_lse, O, Req_group, Group_prefix_lens, qk_scale,
+                         Mid_o, Mid_lse, O, Req_group, Group_prefix_lens, Prefix_splits, qk_scale,
                          stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
                          stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                         num_splits, fused,
+                         num_splits, prefix_splits, fused,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr,
+                         MAX_PREFIX_SPLITS: tl.constexpr):
     # triton_attention's decode split kernel, shifted to start at the request's own tokens.
     # fused (one split only): the prefix kernel has already run, and this program folds the group's
-    # prefix partial into its own running softmax and writes o itself: no merge launch, and the suffix
+    # prefix slices into its own running softmax and writes o itself: no merge launch, and the suffix
     # part never goes through memory. A runtime branch, not a constexpr: which path a step takes
     # follows its batch size, and one binary serves both.
     req = tl.program_id(0)
@@ -112,17 +124,17 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
         group = tl.load(Req_group + req)
         prefix_len = tl.load(Group_prefix_lens + tl.maximum(group, 0))
         prefix_len = tl.where(group >= 0, prefix_len, 0)
-        if prefix_len > 0:
-            # The prefix kernel left one partial per row (its slices merged): a running state (lse, 1, out).
-            lse = tl.load(Mid_lse + req * stride_mlb + heads * stride_mlh, mask=head_ok, other=float("-inf"))
-            part = tl.load(Mid_o + req * stride_mob + heads[:, None] * stride_moh + dims[None, :],
-                           mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
-            m_new = tl.maximum(m_i, lse)
-            alpha = tl.exp2(m_i - m_new)
-            beta = tl.exp2(lse - m_new)
-            acc = acc * alpha[:, None] + part * beta[:, None]
-            l_i = l_i * alpha + beta
-            m_i = m_new
+        # The prefix kernel skipped the slices that start past the prefix; so do these loops. The first is unrolled
+        # to the most slices a serving step has, masked past the live ones, so that the slices' loads, independent
+        # of each other, issue together instead of one round trip per slice; the second takes any beyond.
+        _, live_slices = prefix_slicing(prefix_len, Prefix_splits, prefix_splits, PREFIX_BLOCK_N)
+        lse_row = Mid_lse + req * stride_mlb + heads * stride_mlh
+        part_rows = Mid_o + req * stride_mob + heads[:, None] * stride_moh + dims[None, :]
+        for s in tl.static_range(MAX_PREFIX_SPLITS):
+            m_i, l_i, acc = _fold_slice(m_i, l_i, acc, lse_row, part_rows, s, stride_mos,
+                                        head_ok & (tl.full([BLOCK_H], s, tl.int32) < live_slices), dim_ok)
+        for s in range(MAX_PREFIX_SPLITS, live_slices):
+            m_i, l_i, acc = _fold_slice(m_i, l_i, acc, lse_row, part_rows, s, stride_mos, head_ok, dim_ok)
         out = (acc / l_i[:, None]).to(O.dtype.element_ty)
         tl.store(O + req * stride_ob + heads[:, None] * stride_oh + dims[None, :], out,
                  mask=head_ok[:, None] & dim_ok[None, :])
@@ -135,7 +147,7 @@ def _suffix_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
 @jit(do_not_specialize=["first_split", "num_splits"],
      unaligned=["Group_prefix_lens", "Group_prefix_rows", "Group_member_start", "Group_members", "Prefix_splits"])
 def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_prefix_rows, Group_member_start,
-                   Group_members, Prefix_splits, Counters, Mid_o, Mid_lse, qk_scale,
+                   Group_members, Prefix_splits, Mid_o, Mid_lse, qk_scale,
                    stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
                    stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, first_split, num_splits,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -184,47 +196,15 @@ def _prefix_kernel(Q, K_cache, V_cache, Req_to_token, Group_prefix_lens, Group_p
         tl.store(out_ptr, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
         tl.store(Mid_lse + reqs * stride_mlb + heads * stride_mlh + slot, m_i + tl.log2(l_i), mask=row_ok)
 
-    if live > 1:
-        # The slices of one (group, KV head) fold into the first slice's slot, done by whichever of their programs
-        # ends last (a count per (group, KV head) that it puts back to 0), so that the suffix reads one prefix
-        # partial per row however finely the prefix was sliced. acq_rel: each slice's partials are visible before
-        # its count, and the last program sees them all.
-        counter = Counters + tl.program_id(0)
-        if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
-            for first_row in range(0, num_rows, BLOCK_M):
-                rows = first_row + tl.arange(0, BLOCK_M)
-                row_ok = rows < num_rows
-                reqs = tl.load(Group_members + member0 + rows // GROUP, mask=row_ok, other=0).to(tl.int64)
-                heads = kv_head * GROUP + rows % GROUP
-                lse_base = Mid_lse + reqs * stride_mlb + heads * stride_mlh + first_split
-                part_base = (Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh
-                             + first_split * stride_mos + dims[None, :])
-                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                l_i = tl.zeros([BLOCK_M], tl.float32)
-                acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-                for s in range(0, live):  # a slice's (out, lse) is the running state (lse, 1, out)
-                    lse = tl.load(lse_base + s, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    part = tl.load(part_base + s * stride_mos, mask=row_ok[:, None] & dim_ok[None, :], other=0.0,
-                                   cache_modifier=".cg")
-                    m_new = tl.maximum(m_i, lse)
-                    alpha = tl.exp2(m_i - m_new)
-                    beta = tl.exp2(lse - m_new)
-                    acc = acc * alpha[:, None] + part * beta[:, None]
-                    l_i = l_i * alpha + beta
-                    m_i = m_new
-                tl.store(part_base, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
-                tl.store(lse_base, m_i + tl.log2(l_i), mask=row_ok)
-            tl.atomic_xchg(counter, 0)
 
-
-@jit(do_not_specialize=["suffix_splits"], unaligned=["Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens"])
-def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_prefix_lens,
+@jit(do_not_specialize=["suffix_splits", "prefix_splits"],
+     unaligned=["Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens", "Prefix_splits"])
+def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_prefix_lens, Prefix_splits,
                   stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh,
-                  suffix_splits,
+                  suffix_splits, prefix_splits,
                   HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                  SUFFIX_BLOCK_N: tl.constexpr):
-    # One log-sum-exp reduction over the suffix splits and the group's prefix partial (slot suffix_splits: the
-    # prefix kernel merged its slices there), BLOCK_S at a time.
+                  SUFFIX_BLOCK_N: tl.constexpr, PREFIX_BLOCK_N: tl.constexpr):
+    # One log-sum-exp reduction over the suffix splits and the group's prefix slices together, BLOCK_S at a time.
     req = tl.program_id(0)
     head = tl.program_id(1)
     own_len = tl.load(Seq_lens + req) - tl.load(Suffix_start + req)
@@ -233,7 +213,7 @@ def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_pr
     prefix_len = tl.where(group >= 0, prefix_len, 0)
 
     suffix_split_len = tl.cdiv(tl.cdiv(own_len, suffix_splits), SUFFIX_BLOCK_N) * SUFFIX_BLOCK_N
-    prefix_live = tl.where(prefix_len > 0, 1, 0)  # the prefix kernel merged its slices into the first
+    _, prefix_live = prefix_slicing(prefix_len, Prefix_splits, prefix_splits, PREFIX_BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     lse_base = Mid_lse + req * stride_mlb + head * stride_mlh
@@ -242,7 +222,7 @@ def _merge_kernel(Mid_o, Mid_lse, O, Seq_lens, Suffix_start, Req_group, Group_pr
     m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
     l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, suffix_splits + 1, BLOCK_S):
+    for s0 in range(0, suffix_splits + prefix_splits, BLOCK_S):
         splits = s0 + tl.arange(0, BLOCK_S)
         live = tl.where(splits < suffix_splits, splits * suffix_split_len < own_len,
                         splits - suffix_splits < prefix_live)
@@ -264,7 +244,7 @@ PREFIX_CONFIG = {
 }
 # Prefix slices: enough programs for a few per SM, never slices shorter than min_split_tokens, at most max_splits (the
 # grid's slice dimension under a CUDA graph, where most programs of a padded table exit at once).
-PREFIX_SPLITS = {"programs_per_sm": 4, "min_split_tokens": 256, "max_splits": 8}
+PREFIX_SPLITS = {"programs_per_sm": 4, "min_split_tokens": 512, "max_splits": 8}
 
 
 def prefix_config(dtype, device):
@@ -279,19 +259,6 @@ def prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device
     splits = triton.cdiv(target, max(1, num_groups * num_kv_heads * m_blocks))
     splits = min(splits, triton.cdiv(max(1, max_prefix_len), cfg["min_split_tokens"]), cfg["max_splits"])
     return power_of_two_at_most(splits)
-
-
-_merge_counts: dict = {}
-
-
-def merge_counters(device, entries: int) -> torch.Tensor:
-    """The zeroed per-(group, KV head) counts of the prefix kernel's slice merge (kept: every launch leaves them at 0;
-    allocated on first use, which is an eager warm-up before any CUDA graph capture)."""
-    buf = _merge_counts.get(device)
-    if buf is None or buf.numel() < entries:
-        buf = torch.zeros(max(1 << 16, entries), dtype=torch.int32, device=device)
-        _merge_counts[device] = buf
-    return buf
 
 
 def prefix_slices(num_groups, max_group_size, max_prefix_len, num_q_heads, num_kv_heads, dtype, device):
@@ -351,7 +318,7 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     # The prefix goes first: a fused suffix kernel reads its slices.
     _prefix_kernel[(num_groups * hkv, p_splits)](
         q, k_cache, v_cache, req_to_token, group_prefix_lens, group_prefix_rows, group_member_start,
-        group_members, prefix_splits, merge_counters(q.device, num_groups * hkv), mid_o, mid_lse, qk_scale,
+        group_members, prefix_splits, mid_o, mid_lse, qk_scale,
         q.stride(0), q.stride(1), *cache_strides, req_to_token.stride(0), *mid_strides, first_prefix_split, p_splits,
         NUM_KV_HEADS=hkv, GROUP=group, HEAD_DIM=d,
         BLOCK_M=pcfg["BLOCK_M"], BLOCK_D=block_d, BLOCK_N=pcfg["BLOCK_N"], DOT_PRECISION=precision,
@@ -359,18 +326,19 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     )
     _suffix_split_kernel[(bsz, hkv, s_splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, req_suffix_start, mid_o, mid_lse,
-        o, req_group, group_prefix_lens, qk_scale,
+        o, req_group, group_prefix_lens, prefix_splits, qk_scale,
         q.stride(0), q.stride(1), *cache_strides, req_to_token.stride(0), *mid_strides, o.stride(0), o.stride(1),
-        s_splits, int(fused), GROUP=group, HEAD_DIM=d,
+        s_splits, p_splits, int(fused), GROUP=group, HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=suffix_cfg["BLOCK_N"],
-        DOT_PRECISION=precision,
+        DOT_PRECISION=precision, PREFIX_BLOCK_N=pcfg["BLOCK_N"], MAX_PREFIX_SPLITS=PREFIX_SPLITS["max_splits"],
         num_warps=suffix_cfg["num_warps"], num_stages=suffix_cfg["num_stages"],
     )
     if fused:
         return
     _merge_kernel[(bsz, hq)](
-        mid_o, mid_lse, o, seq_lens, req_suffix_start, req_group, group_prefix_lens,
-        *mid_strides, o.stride(0), o.stride(1), s_splits,
+        mid_o, mid_lse, o, seq_lens, req_suffix_start, req_group, group_prefix_lens, prefix_splits,
+        *mid_strides, o.stride(0), o.stride(1), s_splits, p_splits,
         HEAD_DIM=d, BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d, SUFFIX_BLOCK_N=suffix_cfg["BLOCK_N"],
+        PREFIX_BLOCK_N=pcfg["BLOCK_N"],
         num_warps=1 if block_d <= 64 else 2,
     )
