@@ -326,7 +326,8 @@ def run_fused(check, torch, g):
     """The kernels that cut a decode layer's launches, at model sizes (Qwen3-8B and -0.6B shapes)."""
     import random
     rnd = random.Random(99)
-    for dtype in (torch.bfloat16, torch.float32):  # fp16 is checked in the interpreter (tests/test_kernels_triton.py)
+    # fp16 is checked in the interpreter (tests/worker/test_kernels_triton.py)
+    for dtype in (torch.bfloat16, torch.float32):
         for tokens in (1, 77, 4100):
             check.qkv_prep(dtype, tokens, 32, 8, 128, 128, True, g)  # Qwen3-8B
         check.qkv_prep(dtype, 33, 16, 8, 128, 128, True, g)  # Qwen3-0.6B

