@@ -250,7 +250,8 @@ class Checker:
     def markdown(self, header):
         lines = [header, "", "| kernel | dtype | shape | case | rel err | tol | |", "|---|---|---|---|---|---|---|"]
         for kernel, dtype, shape, case, err, tol, ok in self.rows:
-            lines.append(f"| {kernel} | {dtype} | {shape} | {case} | {err:.2e} | {tol:.0e} | {'ok' if ok else 'FAIL'} |")
+            verdict = "ok" if ok else "FAIL"
+            lines.append(f"| {kernel} | {dtype} | {shape} | {case} | {err:.2e} | {tol:.0e} | {verdict} |")
         failed = sum(not r[-1] for r in self.rows)
         lines += ["", f"{len(self.rows) - failed}/{len(self.rows)} cases pass."]
         return "\n".join(lines) + "\n"
@@ -384,7 +385,7 @@ def main():
               b["extend_lens"], b["extend_start_loc"], 0.2, b["max_extend_len"])
     kernels.extend_attention(b["q"], b["k"], b["v"], via_api, *common)
     triton_attention.extend_attention(b["q"], b["k"], b["v"], direct, *common)
-    check.record("dispatch", torch.float32, "-", "kernels.extend_attention == triton", 
+    check.record("dispatch", torch.float32, "-", "kernels.extend_attention == triton",
                  0.0 if torch.equal(via_api, direct) else float("inf"), 1e-30)
 
     elapsed = time.time() - started

@@ -128,8 +128,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="qwen3-8b", help="model shape (radixserve/testing/configs)")
     parser.add_argument("--tokenizer", help="tokenizer dir (e.g. the Qwen3 tokenizer); not with --smoke")
-    parser.add_argument("--workload", type=int, nargs=6, metavar=("GROUPS", "PER_GROUP", "SYSTEM", "QUESTION", "OUT",
-                                                                  "ROUNDS"), help=f"default: {' '.join(map(str, DEFAULT))}")
+    parser.add_argument("--workload", type=int, nargs=6,
+                        metavar=("GROUPS", "PER_GROUP", "SYSTEM", "QUESTION", "OUT", "ROUNDS"),
+                        help=f"default: {' '.join(map(str, DEFAULT))}")
     parser.add_argument("--hicache-size", type=float, default=None,
                         help="GB of host memory for the tier (default: twice the working set's KV)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload on the CPU")

@@ -214,7 +214,8 @@ class KernelVariants:
         one_config, mlp_config = one.decode_config, triton_mlp.gate_up_config
         self._set(one, "decode_config", lambda dtype, device: one_config(bf16, gpu))
         self._set(triton_mlp, "gate_up_config", lambda dtype, device: mlp_config(bf16, gpu))
-        self._set(ta, "extend_config", lambda dtype, d, device, n=None, programs=None: extend_config(bf16, d, gpu, n, programs))
+        self._set(ta, "extend_config",
+                  lambda dtype, d, device, n=None, programs=None: extend_config(bf16, d, gpu, n, programs))
         self._set(spa, "prefix_config", lambda dtype, device, *rows: prefix_config(bf16, gpu, *rows))
 
     def __exit__(self, *exc) -> None:

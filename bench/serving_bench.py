@@ -126,7 +126,8 @@ def main() -> None:
             for _ in range(ns.repeats):
                 assert httpx.post(f"{url}/flush_cache", timeout=30).json()["success"]
                 runs.append(asyncio.run(run_load(url, prompts, ns.output_len, ns.concurrency)))
-                runs[-1]["kv_invariant_ok_after"] = httpx.get(f"{url}/server_info", timeout=30).json()["kv_invariant_ok"]
+                info = httpx.get(f"{url}/server_info", timeout=30).json()
+                runs[-1]["kv_invariant_ok_after"] = info["kv_invariant_ok"]
             rows[mode] = summarize_rows(runs)
         finally:
             server.send_signal(signal.SIGTERM)

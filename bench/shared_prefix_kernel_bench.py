@@ -157,8 +157,7 @@ def measure(label, run, bytes_by_kernel, layers, copy_bw):
         # A kernel launched twice a layer (the two-launch path) reads its bytes over both calls.
         share = must(layers[0]) / (seconds * per_layer_calls) / copy_bw if must else None
         kernels[name] = (seconds, per_layer_calls, share)
-    del graph, outs
-    return per_layer, kernels
+    return per_layer, kernels  # the graph and its outputs are freed here, with the frame
 
 
 def bandwidth(shapes, geometries, layers, copy_bw, lines, paths=None):

@@ -8,9 +8,10 @@ A server (`launch.py`) is started per mode: `pieces` (the default server: chat p
 cached) and `whole` (--disable-chat-segment-cache). For each: a warm-up that caches the G system prompts (one request
 each) and sends one untimed burst, then --repeats timed bursts, each with new questions (so only the system prompts
 are cached, as for real users). On the CPU the modes' servers run side by side and their bursts alternate
-(--interleave), so that the load of a shared machine weighs on both alike; on a GPU one server runs at a time. Reported per burst: TTFT p50 / p99, inter-token latency (gaps between content chunks)
-mean / p50 / p99, time per output token, output tokens/s and requests/s (from the common start to the last token);
-each figure the median of the bursts, with its spread.
+(--interleave), so that the load of a shared machine weighs on both alike; on a GPU one server runs at a time.
+Reported per burst: TTFT p50 / p99, inter-token latency (gaps between content chunks) mean / p50 / p99, time per
+output token, output tokens/s and requests/s (from the common start to the last token); each figure the median of
+the bursts, with its spread.
 
 The clients: N requests split over --client-procs processes, each request with its own AsyncOpenAI client (its own
 connection). One client shared by 128 concurrent streams (--shared-client) measures the client too: httpx's

@@ -14,7 +14,8 @@ splits: kernels/one_launch_decode.py; off: the split + merge kernels of triton_a
 shared_prefix_attention.py), fused_qkv (Q/K norms, RoPE and the KV store as one kernel: kernels/triton_qkv.py) and
 gate_up_silu_max_rows (the MLP's gate/up projection with SiLU-and-mul fused, up to this many rows; 0: never:
 kernels/triton_mlp.py) and skinny_linear_max_rows (the other projections by one weight-streaming kernel up to this
-many rows, instead of cuBLAS; 0: never: kernels/triton_skinny_linear.py). The torch twins compute the same functions whatever the options.
+many rows, instead of cuBLAS; 0: never: kernels/triton_skinny_linear.py). The torch twins compute the same functions
+whatever the options.
 """
 
 import os

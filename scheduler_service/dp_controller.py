@@ -103,8 +103,8 @@ class DataParallelController:
                 # The front end's gauges (running, waiting, KV slots) are of the whole server: every replica's sum.
                 self.loads[i] = message.load
                 message.load = SchedulerLoad(*(sum(column) for column in zip(*(
-                    (l.num_running, l.num_waiting, l.kv_slots_used, l.kv_slots_cached, l.kv_slots_total)
-                    for l in self.loads if l is not None))))
+                    (load.num_running, load.num_waiting, load.kv_slots_used, load.kv_slots_cached, load.kv_slots_total)
+                    for load in self.loads if load is not None))))
                 self.to_front.send(message)
             elif isinstance(message, CacheEvents):
                 self.router.replicas[i].apply(message)

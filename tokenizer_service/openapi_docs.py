@@ -196,7 +196,8 @@ NATIVE_RESPONSES = {
     "flush_cache": {200: _ok(FlushCacheResponse, "The radix cache was emptied")},
     "server_info": {200: _ok(ServerInfo, "Scheduler state (KV slot accounting) and the server's arguments")},
     "health": {200: _ok(Health, "The scheduler and workers answer")},
-    "metrics": {200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    "metrics": {200: {"description": "Prometheus text format",
+                      "content": {"text/plain": {"schema": {"type": "string"}}}}},
 }
 
 ERROR_STATUSES = {400: "Invalid request", 401: "Missing or wrong API key", 403: "Host or Origin not allowed",
@@ -257,7 +258,8 @@ def document_bounds(schemas: dict, vocab_size: int, context_len: int) -> None:
               "min_p": {"minimum": 0, "maximum": 1}, "n": {"minimum": 1, "maximum": MAX_N}, "seed": int64,
               "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
               "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
-              "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS}, "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+              "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+              "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
               "top_logprobs_num": {"minimum": 0, "maximum": MAX_LOGPROBS},
               "min_tokens": {"minimum": 0}, "min_new_tokens": {"minimum": 0}}
     for name in ("max_tokens", "max_completion_tokens", "max_new_tokens", "max_output_tokens"):

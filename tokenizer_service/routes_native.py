@@ -93,7 +93,8 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
                     int(info.get("kv_protected", 0)) + int(info.get("kv_owned", 0)), int(info.get("kv_evictable", 0)),
                     int(info["kv_total"])))
                 ctx.metrics.update_replicas(info)  # --dp-size > 1: per-replica gauges
-                ctx.metrics.update_cache(info)  # hit rate, pins, host tier, evictions (scheduler_service/cache_stats.py)
+                # hit rate, pins, host tier, evictions (scheduler_service/cache_stats.py)
+                ctx.metrics.update_cache(info)
         except (TimeoutError, asyncio.TimeoutError):
             pass  # serve what the last BatchOutput said
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE_LATEST)

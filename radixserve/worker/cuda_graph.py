@@ -136,7 +136,8 @@ class DecodeCudaGraphs:
         n = len(input_ids)
         bs = next(b for b in self.buckets if b >= n)
         ids, pos, rows, lens, slots, table = self.host
-        ids[:n], pos[:n], rows[:n], lens[:n], slots[:n] = input_ids, positions, req_pool_indices, seq_lens, out_cache_loc
+        ids[:n], pos[:n], rows[:n] = input_ids, positions, req_pool_indices
+        lens[:n], slots[:n] = seq_lens, out_cache_loc
         # Padding requests: row 0 and slot 0 are reserved, so what they read and write harms no one.
         ids[n:bs], pos[n:bs], rows[n:bs], lens[n:bs], slots[n:bs] = 0, 0, 0, 1, 0
         grouped = prefix_groups is not None and self.group_table is not None

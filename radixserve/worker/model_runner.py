@@ -79,7 +79,8 @@ class ModelRunner:
         self.args = server_args
         self.model_config = ModelConfig.from_dir(model_dir)
         self.model_config.check_tp(get_tp_size())
-        self.device = torch.device(server_args.device if server_args.device == "cpu" else f"cuda:{torch.cuda.current_device()}")
+        self.device = torch.device(server_args.device if server_args.device == "cpu"
+                                   else f"cuda:{torch.cuda.current_device()}")
         self.dtype = server_args.torch_dtype
         self.context_len = self.model_config.context_len(server_args.context_length)
         # The rope table covers every position served (a --context-length past the config's: YaRN's scaled context).

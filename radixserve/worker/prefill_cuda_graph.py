@@ -100,8 +100,8 @@ class PrefillCudaGraphs:
         lone = self.lone
         return ForwardContext(num_extend_reqs=1, num_extend_tokens=b, req_to_token=self.req_to_token,
                               req_pool_indices=lone[0:1], prefix_lens=lone[1:2], extend_lens=lone[2:3],
-                              extend_start_loc=self.lone_start, seq_lens=lone[3:4], out_cache_loc=self.out_cache_loc[:b],
-                              max_extend_len=b, max_seq_len=0)
+                              extend_start_loc=self.lone_start, seq_lens=lone[3:4],
+                              out_cache_loc=self.out_cache_loc[:b], max_extend_len=b, max_seq_len=0)
 
     def _capture_context(self, b: int) -> ForwardContext:
         empty = self.out_cache_loc[:0]

@@ -117,8 +117,9 @@ def test_openai_routes_through_the_frontend(deployment):
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
               "additionalProperties": False}
     reply = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city, as JSON."}],
-                                      max_tokens=40, response_format={"type": "json_schema",
-                                                                      "json_schema": {"name": "city", "schema": schema}})
+                                      max_tokens=40,
+                                      response_format={"type": "json_schema",
+                                                       "json_schema": {"name": "city", "schema": schema}})
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
     # Stop strings reach radixserve's scheduler, which stops there (fewer tokens); the frontend cuts them from the
     # text. (With ignore_eos, Dynamo's frontend drops every stop condition.)

@@ -48,8 +48,8 @@ def test_host_header_must_name_this_server(server, http):
         for method, path in (("GET", "/server_info"), ("GET", "/v1/models"), ("POST", "/v1/completions")):
             response = http.request(method, path, headers={"host": host, **JSON}, content=b'{"prompt": "x"}')
             assert_error_response(response, 403, "Host", "--allowed-hosts")
-    for host in ("localhost", f"localhost:{server.port}", "127.0.0.1", f"127.0.0.1:{server.port}", f"[::1]:{server.port}",
-                 "LOCALHOST"):
+    for host in ("localhost", f"localhost:{server.port}", "127.0.0.1", f"127.0.0.1:{server.port}",
+                 f"[::1]:{server.port}", "LOCALHOST"):
         assert http.get("/v1/models", headers={"host": host}).status_code == 200, host
         assert completion(http, host=host).status_code == 200, host
 

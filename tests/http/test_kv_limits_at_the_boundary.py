@@ -126,7 +126,8 @@ def test_pinned_tokens_leave_the_rest_of_the_pool(http, server):
     reply = ok(http.post(C, json={"prompt": ids(2000, room - 4), "max_tokens": 4, "ignore_eos": True}))
     assert reply["usage"]["completion_tokens"] == 4
     error = assert_error_response(http.post(C, json={"prompt": ids(2000, room - 4), "max_tokens": 5}), 400,
-                                  f"of which {MAX_PINNED} are pinned", f"needs {room + 1} more", f"above the {room} left")
+                                  f"of which {MAX_PINNED} are pinned", f"needs {room + 1} more",
+                                  f"above the {room} left")
     assert "--pin-prompts" in error["message"]
     # Over the pinned prefix: only its own tokens count against what is left.
     shared = ids(1300, MAX_PINNED) + ids(3000, 10)

@@ -98,7 +98,8 @@ def test_seeded_sampling_and_penalties_survive_retraction(model_dir):
     # repetition penalty below 1): they make already generated tokens likely again, so sampling depends on them.
     prompts = PROMPTS[:6]
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_new_tokens=16, ignore_eos=True,
-                             frequency_penalty=-1.5 if i % 3 == 1 else 0.0, presence_penalty=-1.0 if i % 3 == 1 else 0.0,
+                             frequency_penalty=-1.5 if i % 3 == 1 else 0.0,
+                             presence_penalty=-1.0 if i % 3 == 1 else 0.0,
                              repetition_penalty=0.5 if i % 3 == 2 else 1.0) for i in range(len(prompts))]
     calm, calm_retractions = run_with_ratio(model_dir, 0.7, params, prompts, max_total_tokens=8192)
     squeezed, retractions = run_with_ratio(model_dir, 0.0, params, prompts, max_total_tokens=120)

@@ -19,7 +19,7 @@ VOCAB, CONTEXT = 1000, 64
     ([1, VOCAB], SamplingParams(), f"token id {VOCAB}, outside the vocabulary [0, {VOCAB})", "prompt"),
     ([1, -2], SamplingParams(), "token id -2", "prompt"),
     ([1, 10 ** 30], SamplingParams(), f"token id {10 ** 30}", "prompt"),
-    ([1] * 60, SamplingParams(max_new_tokens=10), f"you requested 70 tokens (60 in the messages, 10 in the", None),
+    ([1] * 60, SamplingParams(max_new_tokens=10), "you requested 70 tokens (60 in the messages, 10 in the", None),
     ([1], SamplingParams(temperature=-1.0), "temperature", None),
     ([1], SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids", None),
 ])

@@ -4,9 +4,10 @@ time with their KV in the host pool, give the greedy tokens a server whose pool 
 Through the real Engine (scheduler and worker processes): several chunk sizes, ring sizes 2 and 3, step bounds and
 both step loops; two long requests at once beside two short ones; a follow-up turn over the first long prompt that
 computes only its new tokens; the KV invariant of the device pool and of the host pool after each; short requests
-served between the long one's steps; the admission limits; launch.py's HTTP server (/generate, a 400). In process (the invariant checked after every step):
-real weights (the demo model, fp32) on a prompt longer than the pool; documents in the host tier under cache_salt,
-LRU eviction and pins. The start-up check of host memory, and bench/long_context.py --smoke."""
+served between the long one's steps; the admission limits; launch.py's HTTP server (/generate, a 400). In process
+(the invariant checked after every step): real weights (the demo model, fp32) on a prompt longer than the pool;
+documents in the host tier under cache_salt, LRU eviction and pins. The start-up check of host memory, and
+bench/long_context.py --smoke."""
 
 import numpy as np
 import pytest
@@ -81,7 +82,8 @@ def test_offload_gives_the_tokens_of_a_pool_that_holds_it(model_dir, reference, 
         after = engine.server_info()
         assert again.token_ids == follow_up_expected
         assert again.cached_tokens == LONG + OUT - 1
-        assert after["prefill_tokens_computed"] - info["prefill_tokens_computed"] == len(follow_up) - again.cached_tokens
+        computed = after["prefill_tokens_computed"] - info["prefill_tokens_computed"]
+        assert computed == len(follow_up) - again.cached_tokens
         assert_invariants(after)
 
 
@@ -140,7 +142,8 @@ def test_real_weights_give_the_same_tokens_with_offload():
     from scheduler_service.in_process_engine import InProcessEngine
 
     model = str(smollm2_dir())
-    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(20))
+    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones."
+                    for i in range(20))
     messages = [{"role": "user", "content": text + "\nWhich box holds the most stones?"}]
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     whole = InProcessEngine(model, device="cpu", dtype="float32", max_total_tokens=1024)

@@ -81,8 +81,10 @@ def test_smollm2_tokenizer(smollm2_path):
     assert tokenizer.eos_token_id == 2
     ids = tokenizer("In 2024, Paris")["input_ids"]
     assert tokenizer.convert_ids_to_tokens(ids) == ["In", "Ġ", "2", "0", "2", "4", ",", "ĠParis"]  # no BOS added
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
-    assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
+                                           tokenize=False)
+    assert prompt.startswith("<|im_start|>system\n")
+    assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_smollm2_answers_capital_of_france_with_paris(smollm2_path):
@@ -94,7 +96,8 @@ def test_smollm2_answers_capital_of_france_with_paris(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
     input_ids = _chat_input_ids(tokenizer, "What is the capital of France?")
     with torch.no_grad():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=16, do_sample=False)
+        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=16,
+                                do_sample=False)
     answer = tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
