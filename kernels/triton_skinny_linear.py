@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot_precision, jit, sm_count
+from kernels.triton_common import dot_precision, jit, sm_count, zeroed_counters
 
 
 @jit(do_not_specialize=["rows"])
@@ -65,7 +65,6 @@ SKINNY_CONFIG = {
                   "programs_per_sm": 2},
 }
 MAX_SPLITS = 16
-_counters: dict = {}
 
 
 def skinny_config(dtype, device):
@@ -84,15 +83,6 @@ def num_splits(n: int, k: int, cfg: dict, device) -> int:
            and k % (splits * 2 * cfg["BLOCK_K"]) == 0):
         splits *= 2
     return splits
-
-
-def counters(device, column_blocks: int) -> torch.Tensor:
-    """The zeroed per-column-block counters of the device (kept: every call leaves them at 0 again)."""
-    buf = _counters.get(device)
-    if buf is None or buf.numel() < column_blocks:
-        buf = torch.zeros(max(4096, column_blocks), dtype=torch.int32, device=device)
-        _counters[device] = buf
-    return buf
 
 
 def supports(weight) -> bool:
@@ -119,7 +109,7 @@ def skinny_linear(x, weight, config=None, splits=None):
         partials = torch.empty((splits, cfg["BLOCK_M"], n) if splits > 1 else (1,), dtype=torch.float32,
                                device=x.device)
         _skinny_linear_kernel[(column_blocks, splits)](
-            x2, weight, out, partials, counters(x.device, column_blocks), rows, x2.stride(0), weight.stride(0),
+            x2, weight, out, partials, zeroed_counters(x.device, column_blocks), rows, x2.stride(0), weight.stride(0),
             out.stride(0), N=n, K=k, SPLITS=splits, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"], DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])

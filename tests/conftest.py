@@ -76,8 +76,8 @@ _process_start = multiprocessing.process.BaseProcess.start
 
 
 # Tools that libraries run for themselves, not servers: Triton on a GPU runs ldconfig (to find libcuda), a C compiler
-# (its launcher) and ptxas (every kernel it compiles).
-_TOOLS = {"ldconfig", "ptxas", "cc", "gcc", "clang", "nvdisasm", "cuobjdump"}
+# (its launcher) and ptxas (every kernel it compiles); the platform module runs file and uname.
+_TOOLS = {"ldconfig", "ptxas", "cc", "gcc", "clang", "nvdisasm", "cuobjdump", "file", "uname"}
 
 
 def _recording_popen_init(self, args, *rest, **kwargs):
