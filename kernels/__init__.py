@@ -131,8 +131,9 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
     max_seq_len (a python int, >= every seq_len) fixes the number of KV splits; under CUDA graphs pass a
     constant (e.g. the context length) so that the captured grid stays valid.
     """
-    # Plain decodes keep the split kernel (its last split merges): the one-launch kernel measured slower on them (H100: Qwen3-8B W1
-    # 132.0 against 128.7 us a layer, gsp 230.9 against 219.7; bench/results/shared-prefix-kernel-h100.md).
+    # Plain decodes keep the split kernel (its last split merges): the one-launch kernel measured slower on them
+    # (H100: Qwen3-8B W1 132.0 against 128.7 us a layer, gsp 230.9 against 219.7;
+    # bench/results/shared-prefix-kernel-h100.md).
     _attention_impl(q).decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale,
                                         max_seq_len)
 

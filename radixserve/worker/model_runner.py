@@ -2,7 +2,8 @@
 
 req_to_token has one writer, this runner: each step it derives every assignment from the batch (the new tokens'
 slots at their positions, plus the batch's reused_slots) and writes them in one scatter before the forward. The
-scheduler decides slots but holds no table (ReqToTokenPool says why)."""
+scheduler decides slots but holds no table (ReqToTokenPool says why). The pools' sizes are kv_pool_size.py's, the
+sampled tokens' logprobs sampled_logprobs.py's and prompt logprobs prompt_logprobs.py's."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 
 import kernels
-from radixserve.worker.kv_cache import HostKVCache, KVCache, ReqToTokenPool
+from radixserve.worker.kv_cache import KVCache, ReqToTokenPool
+from radixserve.worker.kv_pool_size import device_kv_slots, host_kv_tier
 from radixserve.worker.layerwise_offload import LayerwiseOffload
 from radixserve.config import ModelConfig, ServerArgs
 from radixserve.runtime.distributed import get_tp_rank, get_tp_size
@@ -29,12 +31,10 @@ from radixserve.worker.cuda_graph import DecodeCudaGraphs
 from radixserve.worker.prefill_cuda_graph import PrefillCudaGraphs
 from radixserve.worker.pinned_staging import PinnedStaging
 from radixserve.worker.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
-from radixserve.protocol import (ForwardBatch, SampledTokens, TokenLogprobs, WorkerRequest, future_token_ring_size,
-                                 unpack_i32)
+from radixserve.worker import sampled_logprobs
+from radixserve.protocol import ForwardBatch, SampledTokens, WorkerRequest, future_token_ring_size, unpack_i32
 
 logger = logging.getLogger(__name__)
-
-CPU_DEFAULT_KV_TOKENS = 16384
 
 
 def batch_positions(prefix_lens: np.ndarray, extend_lens: np.ndarray) -> np.ndarray:
@@ -94,20 +94,16 @@ class ModelRunner:
         self.model = self._load_model(Path(model_dir))
         # Layer-wise offload's GPU buffers before the KV pool, which is sized from the memory left after them.
         self.offload = LayerwiseOffload(self) if server_args.enable_layerwise_offload else None
-        self.num_kv_slots = self._kv_slots_to_allocate()
         cfg = self.model_config
+        self.num_kv_slots = device_kv_slots(server_args, cfg, self.dtype, self.device, self.context_len,
+                                            layerwise_offload=self.offload is not None)
         kv_heads = cfg.kv_heads_per_rank(get_tp_size())
         self.kv_cache = KVCache(cfg.num_layers, self.num_kv_slots, kv_heads, cfg.head_dim, self.dtype, self.device)
         for i, layer in enumerate(self.model.model.layers):
             layer.self_attn.attn.k_cache = self.kv_cache.k_cache(i)
             layer.self_attn.attn.v_cache = self.kv_cache.v_cache(i)
-        self.num_host_slots, self.host_kv_cache = 0, None  # the host KV tier (--hicache-size)
-        # Nothing to keep without a cache, but layer-wise offload keeps its requests' KV there.
-        if server_args.hicache_size > 0 and (not server_args.disable_radix_cache or self.offload is not None):
-            self.num_host_slots = HostKVCache.num_slots_for_gb(server_args.hicache_size, self.kv_cache)
-            if self.num_host_slots < 1:
-                raise ValueError(f"--hicache-size {server_args.hicache_size} GB holds no token of KV")
-            self.host_kv_cache = HostKVCache(self.kv_cache, self.num_host_slots)
+        # The host KV tier (--hicache-size): (0, None) without one.
+        self.num_host_slots, self.host_kv_cache = host_kv_tier(server_args, self.kv_cache, self.offload is not None)
         self.req_to_token_pool = ReqToTokenPool(server_args.max_running_requests, self.context_len, self.device)
         self.staging = PinnedStaging(self.device, enabled=not server_args.disable_pinned_staging)
         self.sampler = Sampler(cfg.vocab_size, self.device, upload=self.staging.to_device)
@@ -156,31 +152,6 @@ class ModelRunner:
         else:
             load_safetensors(model, model_dir, show_progress=get_tp_rank() == 0)
         return model.eval()
-
-    def _kv_slots_to_allocate(self) -> int:
-        if self.args.max_total_tokens is not None:
-            return self.args.max_total_tokens
-        if self.device.type == "cpu":
-            return CPU_DEFAULT_KV_TOKENS
-        slots = self._kv_slots_that_fit()
-        if get_tp_size() > 1:
-            # Ranks may have different free memory; all must agree on the smallest pool.
-            t = torch.tensor([slots], device=self.device)
-            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
-            slots = int(t.item())
-        return slots
-
-    def _kv_slots_that_fit(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        used = total - free
-        budget = int(total * self.args.mem_fraction_static) - used
-        cfg = self.model_config
-        slots = KVCache.num_slots_for_budget(budget, cfg.num_layers, cfg.kv_heads_per_rank(get_tp_size()),
-                                             cfg.head_dim, self.dtype)
-        if slots < self.context_len and (self.offload is None or slots < 1):
-            raise RuntimeError(f"only {slots} KV slots fit in --mem-fraction-static {self.args.mem_fraction_static}; "
-                               f"need at least the context length {self.context_len}")
-        return slots
 
     # ------------------------------------------------------------------ forward
     def _register(self, req: WorkerRequest) -> None:
@@ -390,7 +361,7 @@ class ModelRunner:
         for i, state in enumerate(states):
             if state.output_counts is not None or state.seen_mask is not None:
                 state.record_on_device(tokens[i:i + 1])
-        chosen_logprobs = self._chosen_logprobs(logprobs, tokens, states)
+        chosen_logprobs = sampled_logprobs.pick(logprobs, tokens, states)
         host_tokens = tokens.to("cpu", non_blocking=True)  # into pinned memory on a GPU; itself on the CPU
         if chosen_logprobs is not None:
             chosen_logprobs = tuple(t.to("cpu", non_blocking=True) for t in chosen_logprobs)
@@ -412,31 +383,5 @@ class ModelRunner:
         for state, token in zip(step.states, token_array.tolist()):
             state.on_sampled(token)
         return SampledTokens(step=step.step, token_ids=token_array.astype(np.int32).tobytes(),
-                             logprobs=self._logprobs(step.logprobs, step.states),
+                             logprobs=sampled_logprobs.entries(step.logprobs, step.states),
                              prompt_logprobs=step.prompt_logprobs)
-
-    @staticmethod
-    def _chosen_logprobs(logprobs, tokens, states):
-        """On the device: each row's logprob of its token and the top-k (k the largest any row asks for), or None."""
-        if logprobs is None:
-            return None
-        k_max = max(s.params.logprobs or 0 for s in states)
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        top_vals, top_ids = logprobs.topk(max(k_max, 1), dim=-1)
-        return chosen, top_vals.float(), top_ids.int()
-
-    @staticmethod
-    def _logprobs(logprobs, states) -> list[TokenLogprobs | None]:
-        if logprobs is None:
-            return []
-        chosen, top_vals, top_ids = (t.numpy() for t in logprobs)
-        chosen = chosen.tolist()
-        out = []
-        for i, s in enumerate(states):
-            k = s.params.logprobs
-            if k is None:
-                out.append(None)
-                continue
-            out.append(TokenLogprobs(logprob=chosen[i], top_ids=top_ids[i, :k].tobytes(),
-                                     top_logprobs=top_vals[i, :k].astype(np.float32).tobytes()))
-        return out
