@@ -31,8 +31,8 @@ def run_small(check, torch, g, ew):
     check.qkv_prep(torch.float32, 4, 4, 4, 32, 32, False, g)  # Llama: no norms
     check.gate_up(torch.float32, 19, 72, 40, g)  # ragged: rows over a tile, hidden and inter off the blocks
     for dtype in (torch.float32, torch.float16):
-        check.skinny(dtype, 1, 40, 64, g, splits=1)
-        check.skinny(dtype, 16, 33, 128, g, splits=4)  # ragged columns, every row of the tile
+        check.skinny(dtype, 1, 40, 128, g, splits=1)  # K in whole BLOCK_K steps of the GPU's 16-bit tile (128)
+        check.skinny(dtype, 16, 33, 256, g, splits=2)  # ragged columns, every row of the tile
     check.skinny(torch.float32, 5, 64, 256, g)  # the split count the kernel picks
     check.decode_one_launch(torch.float32, 4, 2, 32, [1, 83, 40, 17], "ragged lengths incl. 1", g, num_kv_splits=3)
     check.decode_one_launch(torch.float16, 8, 2, 32, [100, 3, 64], "more splits than blocks", g, num_kv_splits=8)

@@ -10,7 +10,7 @@ when triton is imported, so importing this package early must not freeze that ch
 
 OPTIONS are the switches of the GPU path's optimisations, for ablations (configure(), or RADIXSERVE_KERNEL_OPTIONS
 as "name=value,..."): one_launch_decode (decode attention, plain or grouped, as one kernel that merges its own
-splits: kernels/one_launch_decode.py; off: the split kernels of triton_attention.py and
+splits: kernels/one_launch_decode.py; off: the split + merge kernels of triton_attention.py and
 shared_prefix_attention.py), fused_qkv (Q/K norms, RoPE and the KV store as one kernel: kernels/triton_qkv.py) and
 gate_up_silu_max_rows (the MLP's gate/up projection with SiLU-and-mul fused, up to this many rows; 0: never:
 kernels/triton_mlp.py) and skinny_linear_max_rows (the other projections by one weight-streaming kernel up to this
@@ -131,7 +131,7 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
     max_seq_len (a python int, >= every seq_len) fixes the number of KV splits; under CUDA graphs pass a
     constant (e.g. the context length) so that the captured grid stays valid.
     """
-    # Plain decodes keep the split kernel (its last split merges): the one-launch kernel measured slower on them
+    # Plain decodes keep the split + merge kernels: the one-launch kernel measured slower on them
     # (H100: Qwen3-8B W1 132.0 against 128.7 us a layer, gsp 230.9 against 219.7;
     # bench/results/shared-prefix-kernel-h100.md).
     _attention_impl(q).decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale,

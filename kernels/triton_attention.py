@@ -21,7 +21,7 @@ import triton.language as tl
 
 from kernels.triton_common import (LOG2E, MERGE_BLOCK_S, assert_last_dim_contiguous, attend_table_range,
                                    dot_precision, jit, load_rows, merge_partials_block, online_softmax_block,
-                                   power_of_two_at_most, sm_count, split_capacity, zeroed_counters)
+                                   power_of_two_at_most, sm_count, split_capacity)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -71,13 +71,13 @@ def store_kv(k, v, k_cache, v_cache, out_cache_loc):
 # The split count is a runtime int: it follows the batch size and the longest context, and a constexpr here made
 # every new pair a compile in the middle of serving (bench/kernel_variants.py).
 @jit(do_not_specialize=["num_splits"], unaligned=["Req_pool_indices", "Seq_lens"])
-def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse, O, Counters,
+def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse, O,
                          qk_scale,
                          stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
                          stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, num_splits,
                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                         DOT_PRECISION: tl.constexpr):
     # One program = one request x one KV head x one slice of the context. All query heads of the KV
     # head ride along as the rows of the dot, so each K/V row is read from memory once per group.
     req = tl.program_id(0)
@@ -90,7 +90,7 @@ def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start >= end:
-        return  # past the request's context: not one of its live splits
+        return  # the merge recomputes these bounds and skips this split
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
@@ -108,35 +108,38 @@ def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Se
     m_i, l_i, acc = attend_table_range(q, m_i, l_i, acc, table, start, end, K_cache + kv_head * stride_kh,
                                        V_cache + kv_head * stride_vh, stride_kn, stride_vn, dims, dim_ok, qk_scale,
                                        BLOCK_N, EVEN_D, DOT_PRECISION)
-    if num_splits == 1:  # the whole context in this program: the output directly, no partials
+
+    if num_splits == 1:  # the whole context in this program: the output directly, no partials and no merge launch
         tl.store(O + req * stride_ob + heads[:, None] * stride_oh + dims[None, :],
                  (acc / l_i[:, None]).to(O.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
         return
-
     out_ptr = Mid_o + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + dims[None, :]
     tl.store(out_ptr, acc / l_i[:, None], mask=head_ok[:, None] & dim_ok[None, :])
     tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
-    # The request's live splits merge in whichever of their programs ends last (a count per (request, KV head) that
-    # it puts back to 0), instead of in a second kernel: one launch, and its gap, less per layer. acq_rel: each
-    # split's partials are visible before its count, and the last program sees them all.
-    live = tl.cdiv(seq_len, split_len)
-    counter = Counters + req * tl.num_programs(1) + kv_head
-    if tl.atomic_add(counter, 1, sem="acq_rel") == live - 1:
-        for h in tl.static_range(GROUP):  # unrolled: the heads' partials load together
-            head = kv_head * GROUP + h
-            lse_base = Mid_lse + req * stride_mlb + head * stride_mlh
-            part_base = Mid_o + req * stride_mob + head * stride_moh
-            # Split 0 is never empty (seq_len >= 1), so the running max is finite after the first tile.
-            m = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-            total = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-            weighted = tl.zeros([BLOCK_D], tl.float32)
-            for s0 in range(0, live, BLOCK_S):
-                splits = s0 + tl.arange(0, BLOCK_S)
-                m, total, weighted = merge_partials_block(lse_base, part_base, stride_mos, splits, splits < live,
-                                                          dims, dim_ok, m, total, weighted)
-            tl.store(O + req * stride_ob + head * stride_oh + dims, (weighted / total).to(O.dtype.element_ty),
-                     mask=dim_ok)
-        tl.atomic_xchg(counter, 0)
+
+
+@jit(do_not_specialize=["num_splits"], unaligned=["Seq_lens"])
+def _decode_merge_kernel(Mid_o, Mid_lse, O, Seq_lens,
+                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, num_splits,
+                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(Seq_lens + req)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    lse_base = Mid_lse + req * stride_mlb + head * stride_mlh
+    part_base = Mid_o + req * stride_mob + head * stride_moh
+    # Split 0 is never empty (seq_len >= 1), so the running max is finite after the first tile.
+    m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        splits = s0 + tl.arange(0, BLOCK_S)
+        live = (splits < num_splits) & (splits * split_len < seq_len)
+        m_i, l_i, acc = merge_partials_block(lse_base, part_base, stride_mos, splits, live, dims, dim_ok,
+                                             m_i, l_i, acc)
+    tl.store(O + req * stride_ob + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)
 
 
 # Tuned on the H100 (bench/kernel_bench.py). fp32 takes narrower blocks: its IEEE dots run on FMA units
@@ -185,15 +188,27 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
     mid_lse = torch.empty((bsz, hq, split_capacity(splits)), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hkv, splits)](
         q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, o,
-        zeroed_counters(q.device, bsz * hkv), sm_scale * LOG2E,
+        sm_scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         req_to_token.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         o.stride(0), o.stride(1), splits,
         GROUP=group, HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_S=MERGE_BLOCK_S, DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits == 1:
+        return
+    # A second kernel merges the splits. Merging them in the last split's program instead (a count per request and
+    # KV head) removed this launch but measured slower at batch 1 on an H100 (Qwen3-0.6B 1.30 -> 1.33 ms a step,
+    # Qwen3-8B 6.38 -> 6.46: bench/results/kernels-h100-2026-11-24b/).
+    _decode_merge_kernel[(bsz, hq)](
+        mid_o, mid_lse, o, seq_lens,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        o.stride(0), o.stride(1), splits,
+        HEAD_DIM=d, BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d,
+        BLOCK_N=cfg["BLOCK_N"], num_warps=1 if block_d <= 64 else 2,
     )
 
 

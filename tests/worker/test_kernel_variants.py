@@ -50,7 +50,7 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
     # fused layer kernels, in mode off the plain decode's split and merge kernels and the unfused ones.
     kernels = {"on": ("_decode_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(",
                       "_silu_and_mul_kernel("),
-               "off": ("_decode_split_kernel(", "_rope_kernel(", "_store_kv_kernel(",
+               "off": ("_decode_split_kernel(", "_decode_merge_kernel(", "_rope_kernel(", "_store_kv_kernel(",
                        "_silu_and_mul_kernel(")}
     for mode, out in outputs.items():
         for name in (*kernels[mode], "_extend_kernel(", "_rmsnorm_kernel("):
@@ -106,10 +106,10 @@ def test_keys_follow_triton_rules_and_ignore_batch_metadata():
     q, cache, mid = torch.zeros(4, 4, 16), torch.zeros(32, 2, 16), torch.zeros(4, 4, 16, 16)
 
     def key(req_rows, q_view=q, stride_rt=256, num_splits=2):
-        args = (q_view, cache, cache, buf, req_rows, buf[8:], mid, mid, q, buf, 0.5, 64, 16, 32, 16, 32, 16,
+        args = (q_view, cache, cache, buf, req_rows, buf[8:], mid, mid, q, 0.5, 64, 16, 32, 16, 32, 16,
                 stride_rt, 1024, 256, 16, 64, 16, 64, 16, num_splits)
         return specialization_key(kernel, args, dict(GROUP=2, HEAD_DIM=16, BLOCK_H=16, BLOCK_D=16, BLOCK_N=32,
-                                                     BLOCK_S=16, DOT_PRECISION="ieee", num_warps=4, num_stages=1))
+                                                     DOT_PRECISION="ieee", num_warps=4, num_stages=1))
 
     base = key(buf[0:])
     # Batch metadata: slices at any offset, and any split count, select the same binary.
