@@ -74,15 +74,30 @@ def specialization_key(kernel, args, kwargs) -> str:
     return f"{kernel.fn.__name__}({', '.join(parts)}) [{opts}]"
 
 
-def _in_graph_step() -> bool:
-    """Whether the forward in flight is a decode-only step, which an H100 replays as a CUDA graph captured at
-    start-up (bs <= --cuda-graph-max-bs) instead of launching kernels: its launches compile nothing mid-run."""
+ATTENTION_MODULES = ("kernels.triton_attention", "kernels.shared_prefix_attention", "kernels.one_launch_decode")
+
+
+def _graph_step(kernel, prefill_graph_max_tokens: int = 2048) -> str | None:
+    """How an H100 runs this launch of the forward in flight, where a CUDA graph captured at start-up replays it
+    (its variant compiled then): "decode" (a decode-only step of bs <= --cuda-graph-max-bs: one graph), "lone" (a
+    prompt chunk alone of up to --prefill-cuda-graph-max-tokens: one graph of the whole forward, whose extend kernel
+    reads its metadata from a static block at other alignments than an eager step's: prefill_cuda_graph.py),
+    "piece" (a kernel between two attentions of another step of up to that many tokens: piecewise graphs); None:
+    launched eagerly (attention in piecewise steps, every kernel of a larger step)."""
     from radixserve.forward_context import get_forward_context
     try:
         ctx = get_forward_context()
     except RuntimeError:
-        return False
-    return ctx.num_extend_reqs == 0 and ctx.req_pool_indices.shape[0] <= 256
+        return None
+    tokens = ctx.out_cache_loc.shape[0]
+    if ctx.num_extend_reqs == 0 and ctx.req_pool_indices.shape[0] <= 256:
+        return "decode"
+    if tokens > prefill_graph_max_tokens:
+        return None
+    if ctx.num_extend_reqs == 1 and ctx.num_extend_tokens == tokens:
+        return "lone"
+    attention = kernel.fn.__module__ in ATTENTION_MODULES and kernel.fn.__name__ != "_store_kv_kernel"
+    return None if attention else "piece"
 
 
 def compile_for_h100(kernel, args, kwargs) -> float:
@@ -109,7 +124,8 @@ class KernelVariants:
     shadow: launches are recorded but not run, and each kernels.* op is computed by its torch twin instead (kernel
     outputs never change a batch's makeup, and the twins are fast: GPU-sized workloads audit in minutes).
     h100: the wrappers choose block sizes and split counts as for bf16 on an H100 (132 SMs), so that the keys are
-    those of a GPU run, and launches of decode-only steps count as start-up's (CUDA graphs captured then).
+    those of a GPU run, and launches that an H100 replays from CUDA graphs count as start-up's (captured then:
+    _graph_step), but for the extend kernel of a lone chunk's graph, whose variant no eager step selects.
     min_split_tokens: the split policies' shortest slice (scaled down with a CPU-sized workload).
     compile: each new variant is also compiled for sm_90 (compile_for_h100), its seconds kept in compile_seconds."""
 
@@ -127,9 +143,12 @@ class KernelVariants:
 
     def record(self, kernel, args, kwargs) -> None:
         key = specialization_key(kernel, args, kwargs)
-        if self.h100 and _in_graph_step():
-            # A decode-only step replays a CUDA graph, whose capture at start-up compiled its kernels: its keys count
-            # as met at start-up (an eager step of another batch makeup may select the same binary).
+        graph = _graph_step(kernel) if self.h100 else None
+        if graph == "lone" and kernel.fn.__name__ == "_extend_kernel":
+            return  # the graph's variant (metadata at its static block's alignments), never an eager step's
+        if graph:
+            # A CUDA graph replays this launch, and its capture at start-up compiled the kernel: the key counts as
+            # met at start-up (an eager step of another batch makeup may select the same binary).
             self.first_phase.setdefault(key, "start-up (CUDA graph capture)")
             return
         if key not in self.first_phase:
@@ -171,9 +190,12 @@ class KernelVariants:
         return self
 
     def _shadow_dispatch(self) -> None:
+        import torch.nn.functional as F
+
         import kernels
         from kernels import (one_launch_decode, reference, shared_prefix_attention, triton_attention,
-                             triton_elementwise, triton_mlp, triton_qkv)
+                             triton_elementwise, triton_mlp, triton_qkv, triton_skinny_linear)
+        twins = {"skinny_linear": lambda x, weight: F.linear(x, weight)}  # ops kernels/reference.py has no twin of
 
         class Shadow:
             """Each op: the Triton wrapper (its launches recorded, not run), then the torch twin (the result)."""
@@ -181,9 +203,12 @@ class KernelVariants:
                 self.module = module
 
             def __getattr__(self, name):
+                if name == "skinny_supports":  # a question, not an op
+                    return triton_skinny_linear.supports
+
                 def op(*args, **kwargs):
                     getattr(self.module, name)(*args, **kwargs)
-                    return getattr(reference, name)(*args, **kwargs)
+                    return (twins.get(name) or getattr(reference, name))(*args, **kwargs)
                 return op
 
         self._set(kernels, "_attention_impl", lambda t: Shadow(triton_attention))
@@ -192,13 +217,15 @@ class KernelVariants:
         self._set(kernels, "_decode_impl", lambda t: Shadow(one_launch_decode) if kernels.OPTIONS["one_launch_decode"]
                   else None)
         fused = type("Fused", (), {"qk_norm_rope_store": staticmethod(triton_qkv.qk_norm_rope_store),
-                                   "gate_up_silu": staticmethod(triton_mlp.gate_up_silu)})
+                                   "gate_up_silu": staticmethod(triton_mlp.gate_up_silu),
+                                   "skinny_linear": staticmethod(triton_skinny_linear.skinny_linear)})
         self._set(kernels, "_fused_impl", lambda t: Shadow(fused))
 
     def _policy(self) -> None:
         import torch
 
         from kernels import one_launch_decode as one, shared_prefix_attention as spa, triton_attention as ta, triton_mlp
+        from kernels import triton_skinny_linear as skinny
         if self.min_split_tokens:
             self._set(ta.DECODE_SPLITS, "min_split_tokens", self.min_split_tokens)
             self._set(spa.PREFIX_SPLITS, "min_split_tokens", self.min_split_tokens)
@@ -206,7 +233,7 @@ class KernelVariants:
             return
         gpu, bf16 = torch.device("cuda"), torch.bfloat16
         decode_config, extend_config, prefix_config = ta.decode_config, ta.extend_config, spa.prefix_config
-        for module in (ta, spa, one):
+        for module in (ta, spa, one, skinny):
             for name in ("sm_count", "_sm_count"):  # the latter: trees before kernels/triton_common.py
                 if hasattr(module, name):
                     self._set(module, name, lambda device: 132)
@@ -214,6 +241,9 @@ class KernelVariants:
         one_config, mlp_config = one.decode_config, triton_mlp.gate_up_config
         self._set(one, "decode_config", lambda dtype, device: one_config(bf16, gpu))
         self._set(triton_mlp, "gate_up_config", lambda dtype, device: mlp_config(bf16, gpu))
+        skinny_config, skinny_splits = skinny.skinny_config, skinny.num_splits
+        self._set(skinny, "skinny_config", lambda dtype, device: skinny_config(bf16, gpu))
+        self._set(skinny, "num_splits", lambda n, k, cfg, device: skinny_splits(n, k, cfg, gpu))
         self._set(ta, "extend_config",
                   lambda dtype, d, device, n=None, programs=None: extend_config(bf16, d, gpu, n, programs))
         self._set(spa, "prefix_config", lambda dtype, device, *rows: prefix_config(bf16, gpu, *rows))

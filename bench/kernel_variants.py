@@ -69,12 +69,14 @@ def generate_in_waves(engine, prompts, output_len: int, wave: int = 0, steps_bet
 
 
 RUNS = (("warm-up", 0), ("timed 1", 0), ("timed 2", 0), ("waves of 3", 3))
+START = "start-up"  # the engine's construction (model runner, CUDA graphs): listed before the runs, never late
 
 
 def audit(model_dir: str, shared_prefix: bool, in_process: bool, workload=None, runs=RUNS, recorder=None,
           **engine_args) -> dict:
     """Runs the workload once per entry of runs (name, wave size: 0 = all at once), the cache flushed before each;
-    returns per run the keys it launched first, and the sm_90 compile seconds of each key (with recorder compile).
+    returns per run (and for START) the keys it launched first, and the sm_90 compile seconds of each key (with
+    recorder compile).
     recorder: KernelVariants options (shadow, h100, min_split_tokens, compile)."""
     from bench.offline_throughput import prompts_for
     w = workload or audit_workload()
@@ -94,7 +96,7 @@ def audit(model_dir: str, shared_prefix: bool, in_process: bool, workload=None, 
                 _flush(engine)
                 variants.phase(name)
                 generate_in_waves(engine, prompts, w.output_len, wave)
-            found = {name: variants.new_in(name) for name, _ in runs}
+            found = {START: variants.new_in("start"), **{name: variants.new_in(name) for name, _ in runs}}
         return found, variants.compile_seconds
     from radixserve.engine import Engine
     scratch = tempfile.mkdtemp(prefix="kernel-variants-")
@@ -103,6 +105,8 @@ def audit(model_dir: str, shared_prefix: bool, in_process: bool, workload=None, 
     os.environ.update(child_env(log, scratch, **recorder))
     try:
         with Engine(model_dir, **args) as engine:
+            found[START] = [e["key"] for e in read_log(log)]
+            seconds.update({e["key"]: e["compile_seconds"] for e in read_log(log) if e["compile_seconds"] is not None})
             for name, wave in runs:
                 _flush(engine)
                 before = len(read_log(log))
@@ -130,7 +134,7 @@ def main() -> None:
     parser.add_argument("--shadow", action="store_true", help="record launches without running them; the torch "
                         "twins compute (fast enough for GPU-sized shapes such as --shape 8 16 1024 128 128)")
     parser.add_argument("--h100", action="store_true", help="block sizes and split counts as for bf16 on an H100; "
-                        "decode-only steps count as start-up's (CUDA graphs captured then)")
+                        "launches an H100 replays from CUDA graphs count as start-up's (captured then)")
     parser.add_argument("--compile", action="store_true", help="with --shadow: compile every variant for sm_90 "
                         "(Triton's own ptxas, no GPU) and print its seconds (runs without TRITON_INTERPRET)")
     parser.add_argument("--min-split-tokens", type=int, help="shortest split of the split policies (scaled down "
@@ -165,11 +169,12 @@ def main() -> None:
             print(f"  {name}: {len(keys)} new variant keys")
             for key in keys:
                 compile_time = f" ({seconds[key]:.2f} s to compile)" if key in seconds else ""
-                print(f"    {'NEW ' if name != runs[0][0] else ''}{key}{compile_time}")
+                print(f"    {'NEW ' if name not in (START, runs[0][0]) else ''}{key}{compile_time}")
     if ns.json_out:
         with open(ns.json_out, "w") as f:
             json.dump(results, f, indent=2)
-    late = sum(len(keys) for mode in results.values() for name, keys in mode["keys"].items() if name != runs[0][0])
+    late = sum(len(keys) for mode in results.values() for name, keys in mode["keys"].items()
+               if name not in (START, runs[0][0]))
     print(f"\n{late} variant keys first launched after the warm-up run")
     sys.exit(1 if late else 0)
 
