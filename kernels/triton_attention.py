@@ -332,3 +332,29 @@ def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indice
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
+
+
+def extend_variants(dtype, head_dim, device):
+    """Every config extend_config can pick for this dtype and head_dim, over any longest extend and grid (the
+    narrowing follows products of the two, so powers of two of each reach every threshold)."""
+    configs = []
+    for length in (None, *(2 ** i for i in range(17))):
+        for programs in (None, *(2 ** i for i in range(13))):
+            cfg = extend_config(dtype, head_dim, device, length, programs)
+            if cfg not in configs:
+                configs.append(cfg)
+    return configs
+
+
+def compile_extend_variants(num_heads, dtype, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
+                            extend_lens, extend_start_loc):
+    """The extend kernel launched once in each variant a step can select (extend_variants), over one 1-token request
+    whose metadata the caller laid out as a step's: all compile at start-up. Which one a step selects follows its
+    makeup (longest extend, requests), which arrival timing decides; a variant first selected in the middle of
+    serving was a compile there (~1.4 s on an H100, in one W1 run of three)."""
+    hkv, d = k_cache.shape[1], k_cache.shape[2]
+    q = torch.zeros(1, num_heads, d, dtype=dtype, device=k_cache.device)
+    k = torch.zeros(1, hkv, d, dtype=k_cache.dtype, device=k_cache.device)
+    for cfg in extend_variants(dtype, d, k_cache.device):
+        extend_attention(q, k, k, torch.empty_like(q), k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
+                         extend_lens, extend_start_loc, 1.0, 1, config=cfg)

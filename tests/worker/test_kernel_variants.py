@@ -46,8 +46,9 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
         assert "0 variant keys first launched after the warm-up run" in out, out[-6000:]
         assert children[mode].returncode == 0, out[-6000:]
         assert "run 2 (all at once): 0 new variant keys" in out
-    # Not vacuous: the warm-up ran every kernel of the decode step: in mode on the grouped decode's one launch and the
-    # fused layer kernels, in mode off the plain decode's split and merge kernels and the unfused ones.
+    # Not vacuous: start-up and the warm-up ran every kernel of the decode step (the extend kernel's variants at
+    # start-up): in mode on the grouped decode's one launch and the fused layer kernels, in mode off the plain
+    # decode's split and merge kernels and the unfused ones.
     kernels = {"on": ("_decode_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(",
                       "_silu_and_mul_kernel("),
                "off": ("_decode_split_kernel(", "_decode_merge_kernel(", "_rope_kernel(", "_store_kv_kernel(",
@@ -55,6 +56,39 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
     for mode, out in outputs.items():
         for name in (*kernels[mode], "_extend_kernel(", "_rmsnorm_kernel("):
             assert name in out, (mode, name)
+
+
+@pytest.mark.server
+def test_extend_variants_of_every_batch_makeup_compile_at_start_up():
+    # W1's shape at a quarter (4 system prompts of 512 tokens x 16 questions of 64), with the H100's block-size policy
+    # and its CUDA graphs modelled (bench/kernel_variant_keys.py): all at once, no eager step of the warm-up selects
+    # the extend kernel's 16-row blocks, while a run queueing requests 3 at a time does (a few short chunks beside
+    # long contexts: extend_config narrows the blocks). Before ModelRunner compiled every extend variant at start-up,
+    # that run met _extend_kernel(... BLOCK_M=16 ...) first: the compile of ~1.4 s seen in W1 runs on an H100.
+    child = _interpreted("-m", "bench.kernel_variants", "--in-process", "--shadow", "--h100", "--modes", "on",
+                         "--shape", "4", "16", "512", "64", "8", "--runs", "0,3", "--engine-args",
+                         '{"chunked_prefill_size": 8192, "shared_prefix_min_tokens": 512, "max_running_requests": 1024,'
+                         ' "max_total_tokens": 200000}')
+    out = child.communicate(timeout=400)[0]
+    print(out[-6000:])
+    assert "run 2 (waves of 3): 0 new variant keys" in out, out[-6000:]
+    assert child.returncode == 0 and "0 variant keys first launched after the warm-up run" in out, out[-6000:]
+
+
+def test_start_up_launches_every_extend_variant_the_h100_policy_can_select():
+    # The four row-block sizes extend_config picks on an H100 (128, then narrower for small grids, 16 for short
+    # chunks), each launched once by compile_extend_variants (recorded, not run).
+    from bench.kernel_variant_keys import KernelVariants
+    from kernels import triton_attention
+
+    i32 = lambda v: torch.tensor([v], dtype=torch.int32)  # noqa: E731
+    cache = torch.zeros(32, 2, 16)
+    with KernelVariants(shadow=True, h100=True) as variants:
+        triton_attention.compile_extend_variants(4, torch.float32, cache, cache, torch.zeros(2, 64, dtype=torch.int32),
+                                                 i32(0), i32(0), i32(1), i32(0))
+    keys = variants.new_in("start")
+    assert {k.split("BLOCK_M=")[1].split(",")[0] for k in keys} == {"16", "32", "64", "128"}, keys
+    assert all(k.startswith("_extend_kernel(") for k in keys)
 
 
 @pytest.mark.server
