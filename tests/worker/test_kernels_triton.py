@@ -137,7 +137,7 @@ def test_gpu_decode_layer_launches_at_most_9_kernels():
     # One decoder layer of a batch-1 decode step (Qwen3-0.6B shape, two layers, random weights) launches at most 9
     # device kernels with the fusions on (norm, QKV, Q/K norm + RoPE + store, decode split, decode merge, O, norm,
     # gate/up + SiLU, down); and more with them off, so that the count measures the fusions. (Eight was the aim:
-    # merging the splits inside the split kernel made it 8 but measured slower; bench/results/kernels-h100-2026-11-24b/.)
+    # merging the splits in the split kernel made it 8 but measured slower; bench/results/kernels-h100-2026-11-24b/.)
     import kernels
     from bench import kernels_per_layer as kpl
     from radixserve.layers.linear import set_gemm_split_k
