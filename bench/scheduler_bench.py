@@ -27,6 +27,7 @@ from radixserve.sampling import SamplingParams
 from scheduler_service.request import Req
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.step_loop import make_step_loop
+from scheduler_service.step_output import messages
 
 
 class RandomTokens:
@@ -74,7 +75,7 @@ def main() -> None:
         outputs = loop.step()
         t0 = time.thread_time()
         # What SchedulerProcess._send_outputs does with them (load figures aside).
-        encoder.encode(BatchOutput([out.to_message() for out in outputs], SchedulerLoad(0, 0, 0, 0, 0)))
+        encoder.encode(BatchOutput(messages(outputs), SchedulerLoad(0, 0, 0, 0, 0)))
         return time.thread_time() - t0
 
     t0 = time.perf_counter()

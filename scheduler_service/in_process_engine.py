@@ -11,6 +11,7 @@ from scheduler_service.executor import InProcessExecutor
 from scheduler_service.request import Req
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.step_loop import make_step_loop
+from scheduler_service.step_output import messages
 
 
 class InProcessEngine(EngineBase):
@@ -35,4 +36,4 @@ class InProcessEngine(EngineBase):
         self.scheduler.abort(rid)
 
     def _next_outputs(self):
-        return [out.to_message() for out in self.loop.step()]
+        return messages(self.loop.step())

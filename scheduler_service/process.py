@@ -24,7 +24,7 @@ from scheduler_service.executor import WorkerProcessesExecutor
 from scheduler_service.request import Req
 from scheduler_service.scheduler import KVInvariantError, Scheduler
 from scheduler_service.step_loop import make_step_loop
-from scheduler_service.step_output import StepOutput
+from scheduler_service.step_output import StepOutput, messages
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +169,7 @@ class SchedulerProcess:
         usage = s.kv_usage()
         load = SchedulerLoad(s.num_running, len(s.waiting), usage["protected"] + usage["owned"],
                              usage["evictable"], usage["total"])
-        messages = [out.to_message() for out in outputs]
-        self.to_tokenizer.send(BatchOutput(messages, load))
+        self.to_tokenizer.send(BatchOutput(messages(outputs), load))
 
     def shutdown(self) -> None:
         for channel in self.to_workers:

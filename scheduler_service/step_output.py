@@ -22,10 +22,10 @@ class StepOutput(msgspec.Struct, gc=False):
     new_logprobs: list = []
     finished: bool = False
     num_outputs: int | None = None  # the request's outputs so far (None: all of output_ids; aborts, errors)
-    message: RequestOutput | None = None  # built with the step's results (decode batches); stale once finished
+    message: RequestOutput | None = None  # built with the step's results (decode batches); None: to_message builds it
 
     def to_message(self) -> RequestOutput:
-        if self.message is not None and not self.finished:
+        if self.message is not None:
             return self.message
         req = self.req
         num_outputs = self.num_outputs
@@ -47,3 +47,9 @@ class StepOutput(msgspec.Struct, gc=False):
         if first and req.prompt_logprobs and token_ids:
             message.prompt_logprobs = req.prompt_logprobs[1:]
         return message
+
+
+def messages(outputs: list[StepOutput]) -> list[RequestOutput]:
+    """The front end's message of each output (what a BatchOutput carries). Most outputs of a decode step carry theirs
+    already: read as an attribute, not through a method call per output."""
+    return [out.message or out.to_message() for out in outputs]
