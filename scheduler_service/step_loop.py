@@ -57,6 +57,9 @@ class OverlapStepLoop(SerialStepLoop):
         super().__init__(scheduler, executor)
         self.ring_size = future_token_ring_size(scheduler.args.max_running_requests)
         self.next_future = 0
+        # placeholder_at[i]: the placeholder of ring index i % ring_size, twice over, so that any step's run of
+        # placeholders (at most max_running_requests from any base) is one slice, not arrays made every step.
+        self.placeholder_at = (-1 - np.arange(2 * self.ring_size) % self.ring_size).astype(np.int32)
         # The step launched and not yet applied, with where each of its samples sits in its request's output_ids.
         self.in_flight: tuple[ScheduledBatch, list[int]] | None = None
 
@@ -93,8 +96,7 @@ class OverlapStepLoop(SerialStepLoop):
         s = self.scheduler
         if scheduled.decodes is not None:  # decodes alone, as arrays: the same placeholders without a loop
             n = len(scheduled.reqs)
-            ring = (base + np.arange(n)) % self.ring_size
-            output_index = s.decode_batch.placeholders(scheduled.decodes, -1 - ring)
+            output_index = s.decode_batch.placeholders(scheduled.decodes, self.placeholder_at[base:base + n])
             if output_index is not None:
                 self.next_future = (base + n) % self.ring_size
                 last = np.flatnonzero(scheduled.decodes.num_outputs + 1 >= scheduled.decodes.run.limits)
