@@ -88,7 +88,7 @@ def _attention_impl(tensor):
 
 
 def _decode_impl(tensor):
-    """Where decode_attention and decode_attention_grouped go: the twin, the one-launch kernel or the split kernels."""
+    """Where decode_attention_grouped goes: the twin, the one-launch kernel, or None for the split kernels."""
     if _use_reference(tensor):
         return reference
     if OPTIONS["one_launch_decode"]:
@@ -98,7 +98,7 @@ def _decode_impl(tensor):
 
 
 def _elementwise_impl(tensor):
-    if _backend == "reference" or (_backend == "auto" and not tensor.is_cuda):
+    if _use_reference(tensor):
         return reference
     return _triton()[1]
 
@@ -123,6 +123,14 @@ def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indice
     """
     _attention_impl(q).extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices,
                                         prefix_lens, extend_lens, extend_start_loc, sm_scale, max_extend_len)
+
+
+def compile_extend_variants(num_heads, dtype, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
+                            extend_lens, extend_start_loc):
+    """Compiles, now, every extend-kernel variant that a step's makeup can select (the torch twin has none): see
+    kernels/triton_attention.compile_extend_variants."""
+    _attention_impl(k_cache).compile_extend_variants(num_heads, dtype, k_cache, v_cache, req_to_token,
+                                                     req_pool_indices, prefix_lens, extend_lens, extend_start_loc)
 
 
 def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len):
@@ -248,5 +256,6 @@ def linear(x, weight, bias=None):
 
 
 __all__ = ["BACKENDS", "OPTIONS", "set_backend", "get_backend", "configure", "store_kv", "extend_attention",
+           "compile_extend_variants",
            "decode_attention", "decode_attention_grouped", "rmsnorm", "rope", "silu_and_mul", "qk_norm_rope_store",
            "gate_up_silu", "linear", "prefix_slices", "prefix_slices_bound"]

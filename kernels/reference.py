@@ -57,6 +57,10 @@ def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indice
         o[rows] = _attend(q[rows], keys, values, sm_scale, prefix).to(o.dtype)
 
 
+def compile_extend_variants(*args):
+    """Nothing to compile: the twin of kernels/triton_attention.compile_extend_variants."""
+
+
 def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale,
                      max_seq_len):
     """Batched: every request's context is gathered into a [B, max_len] padded block, masked past its length.

@@ -125,8 +125,8 @@ _COUNTERS: dict = {}
 
 def zeroed_counters(device, n: int) -> torch.Tensor:
     """n int32 counts at 0, for kernels whose programs count arrivals and put the count back to 0 when the last one
-    is done (the decode split merge, the skinny projection's split-K): one buffer per device, shared by them all
-    (one stream runs them one after another). A bigger request allocates a bigger buffer; the older ones stay
+    is done (the skinny projection's split-K): one buffer per device, shared by every such kernel (one stream runs
+    them one after another). A bigger request allocates a bigger buffer; the older ones stay
     alive, since CUDA graphs captured with them keep their addresses."""
     buffers = _COUNTERS.setdefault(device, [])
     if not buffers or buffers[-1].numel() < n:

@@ -77,7 +77,7 @@ def num_splits(n: int, k: int, cfg: dict, device) -> int:
     """The most inner-dimension splits (a power of two dividing K into whole BLOCK_K steps) that keep the programs
     within programs_per_sm per SM."""
     column_blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    target = cfg["programs_per_sm"] * (sm_count(device) if device.type == "cuda" else 4)
+    target = cfg["programs_per_sm"] * sm_count(device)  # (4 "SMs" for the interpreter)
     splits = 1
     while (splits * 2 <= MAX_SPLITS and column_blocks * splits * 2 <= target
            and k % (splits * 2 * cfg["BLOCK_K"]) == 0):

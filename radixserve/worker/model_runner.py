@@ -124,14 +124,12 @@ class ModelRunner:
         self.prefix_slices = functools.partial(kernels.prefix_slices, num_q_heads=self.model_config.num_heads // tp,
                                                num_kv_heads=self.model_config.kv_heads_per_rank(tp),
                                                dtype=self.dtype, device=self.device)
-        if kernels.get_backend() == "triton" or (kernels.get_backend() == "auto" and self.device.type == "cuda"):
-            # Every extend kernel variant a step's makeup can select, compiled now rather than by the first step that
-            # selects it (kernels/triton_attention.compile_extend_variants); metadata laid out as prepare()'s.
-            from kernels.triton_attention import compile_extend_variants
-            attn = self.model.model.layers[0].self_attn.attn
-            meta, _ = self._to_device([np.zeros(1), np.zeros(1), np.ones(1), np.zeros(1)], [])
-            compile_extend_variants(attn.num_heads, self.dtype, attn.k_cache, attn.v_cache,
-                                    self.req_to_token_pool.table, *meta)
+        # Every extend kernel variant a step's makeup can select, compiled now rather than by the first step that
+        # selects it (kernels.compile_extend_variants); metadata laid out as prepare()'s.
+        attn = self.model.model.layers[0].self_attn.attn
+        meta, _ = self._to_device([np.zeros(1), np.zeros(1), np.ones(1), np.zeros(1)], [])
+        kernels.compile_extend_variants(attn.num_heads, self.dtype, attn.k_cache, attn.v_cache,
+                                        self.req_to_token_pool.table, *meta)
         self.cuda_graphs = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
             self.cuda_graphs = DecodeCudaGraphs(self.model, self.req_to_token_pool.table, self.future_tokens,
