@@ -26,8 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")  # one line, no usage dump, no traceback
     if key_on_command_line:
-        print("radixserve: warning: --api-key is visible to every local user (ps); pass the key in "
-              "$RADIXSERVE_API_KEY or --api-key-file instead", file=sys.stderr)
+        print(
+            "radixserve: warning: --api-key is visible to every local user (ps); pass the key in "
+            "$RADIXSERVE_API_KEY or --api-key-file instead",
+            file=sys.stderr,
+        )
 
     def request_stop(signum, frame):
         launcher.stop_requested = True
@@ -40,11 +43,17 @@ def main(argv: list[str] | None = None) -> int:
         dead = launcher.wait_until_ready()
         if dead is None and not launcher.stop_requested:
             if args.node_rank == 0:
-                print(f"radixserve: serving {launcher.model_dir} at http://{args.host}:{args.port} "
-                      f"(device {args.device}, tp {args.tp_size}, dp {args.dp_size}, nodes {args.nnodes})", flush=True)
+                print(
+                    f"radixserve: serving {launcher.model_dir} at http://{args.host}:{args.port} "
+                    f"(device {args.device}, tp {args.tp_size}, dp {args.dp_size}, nodes {args.nnodes})",
+                    flush=True,
+                )
             else:
-                print(f"radixserve: node {args.node_rank} of {args.nnodes} ready: tensor-parallel ranks "
-                      f"{list(ranks_on_node(args))} for node 0 at {args.dist_init_addr}", flush=True)
+                print(
+                    f"radixserve: node {args.node_rank} of {args.nnodes} ready: tensor-parallel ranks "
+                    f"{list(ranks_on_node(args))} for node 0 at {args.dist_init_addr}",
+                    flush=True,
+                )
             dead = launcher.supervise()
         if dead is None and launcher.links is not None and launcher.links.stopped_by_head:
             print(f"radixserve: node 0 ended the server: {launcher.links.stopped_by_head}", flush=True)

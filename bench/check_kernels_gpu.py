@@ -17,75 +17,12 @@ import sys
 import time
 
 from bench.kernel_check_cases import run_fused, run_full, run_small
+from bench.paged_batch import make_paged_batch, rel_err
 from bench.run_record import command_line
 
 
 TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 ELEMENTWISE_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
-
-
-def make_paged_batch(torch, prefix_lens, extend_lens, num_q_heads, num_kv_heads, head_dim, dtype, device,
-                     generator=None, table_width=None, spare_slots=64):
-    """A batch of requests whose prefixes already sit in a KV cache at scattered slots.
-
-    Returns a dict with q/k/v of the new tokens, the caches (new tokens stored too, as the model runner
-    does before attention), the table and the per-request int32 vectors of the extend/decode APIs.
-    """
-    g = generator
-    bsz = len(prefix_lens)
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
-    total_new = sum(extend_lens)
-    num_slots = sum(seq_lens) + spare_slots
-    width = table_width or max(seq_lens) + 7
-    num_rows = bsz + 3
-
-    # Draw the big tensors on their device (a 1 GiB cache drawn on the host takes seconds), from a
-    # device generator seeded by the caller's so that a run is reproducible.
-    dev_gen = torch.Generator(device=device)
-    dev_gen.manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=g)))
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=dev_gen, device=device).to(dtype)
-
-    k_cache = randn(num_slots, num_kv_heads, head_dim)
-    v_cache = randn(num_slots, num_kv_heads, head_dim)
-    # Unused table entries point at real but wrong slots: a kernel that reads past a length gets
-    # plausible garbage and a wrong answer rather than a crash that hides which case broke.
-    req_to_token = torch.randint(0, num_slots, (num_rows, width), generator=g, dtype=torch.int32)
-    pool_rows = torch.randperm(num_rows, generator=g)[:bsz].to(torch.int32)
-    slots = torch.randperm(num_slots, generator=g).to(torch.int32)
-    cursor = 0
-    new_slots = []
-    for i in range(bsz):
-        n = seq_lens[i]
-        req_to_token[pool_rows[i], :n] = slots[cursor:cursor + n]
-        new_slots.append(slots[cursor + prefix_lens[i]:cursor + n])
-        cursor += n
-    q = randn(total_new, num_q_heads, head_dim)
-    k = randn(total_new, num_kv_heads, head_dim)
-    v = randn(total_new, num_kv_heads, head_dim)
-    out_cache_loc = torch.cat(new_slots) if new_slots else torch.zeros(0, dtype=torch.int32)
-    k_cache[out_cache_loc.long().to(device)] = k
-    v_cache[out_cache_loc.long().to(device)] = v
-    starts = [0]
-    for e in extend_lens[:-1]:
-        starts.append(starts[-1] + e)
-
-    def ints(values):
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    return dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token.to(device),
-                req_pool_indices=pool_rows.to(device), prefix_lens=ints(prefix_lens), extend_lens=ints(extend_lens),
-                extend_start_loc=ints(starts), seq_lens=ints(seq_lens), out_cache_loc=out_cache_loc.to(device),
-                max_extend_len=max(extend_lens), max_seq_len=max(seq_lens))
-
-
-def rel_err(torch, out, ref):
-    out = out.double()
-    ref = ref.double()
-    if not torch.isfinite(out).all():
-        return float("inf")  # NaN poison left somewhere: an output element was never written
-    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
 class Checker:
@@ -96,59 +33,90 @@ class Checker:
     def record(self, kernel, dtype, shape, case, err, tol):
         ok = err < tol
         self.rows.append((kernel, str(dtype).replace("torch.", ""), shape, case, err, tol, ok))
-        print(f"{kernel:<17} {self.rows[-1][1]:<9} {shape:<18} {case:<44} {err:10.2e} {tol:8.0e}  "
-              f"{'ok' if ok else 'FAIL'}", flush=True)
+        print(
+            f"{kernel:<17} {self.rows[-1][1]:<9} {shape:<18} {case:<44} {err:10.2e} {tol:8.0e}  "
+            f"{'ok' if ok else 'FAIL'}",
+            flush=True,
+        )
 
     def extend(self, dtype, hq, hkv, d, prefix_lens, extend_lens, case, g):
         torch = self.torch
         b = make_paged_batch(torch, prefix_lens, extend_lens, hq, hkv, d, dtype, self.device, g)
-        scale = d ** -0.5
-        args = (b["k_cache"], b["v_cache"], b["req_to_token"], b["req_pool_indices"], b["prefix_lens"],
-                b["extend_lens"], b["extend_start_loc"], scale, b["max_extend_len"])
+        scale = d**-0.5
+        args = (
+            b["k_cache"],
+            b["v_cache"],
+            b["req_to_token"],
+            b["req_pool_indices"],
+            b["prefix_lens"],
+            b["extend_lens"],
+            b["extend_start_loc"],
+            scale,
+            b["max_extend_len"],
+        )
         ref = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=self.device)
         self.ref.extend_attention(b["q"], b["k"], b["v"], ref, *args)
         out = torch.full_like(b["q"], float("nan"))
         self.tri.extend_attention(b["q"], b["k"], b["v"], out, *args)
-        self.record("extend_attention", dtype, f"Hq{hq}/Hkv{hkv} D{d}", case, rel_err(torch, out, ref),
-                    TOLERANCE[str(dtype).replace("torch.", "")])
+        self.record(
+            "extend_attention",
+            dtype,
+            f"Hq{hq}/Hkv{hkv} D{d}",
+            case,
+            rel_err(torch, out, ref),
+            TOLERANCE[str(dtype).replace("torch.", "")],
+        )
 
     def decode(self, dtype, hq, hkv, d, seq_lens, case, g, num_kv_splits=None):
         torch = self.torch
         # Decode sees the whole context through the table; the "new" token is just the last position.
-        b = make_paged_batch(torch, [s - 1 for s in seq_lens], [1] * len(seq_lens), hq, hkv, d, dtype,
-                             self.device, g)
-        scale = d ** -0.5
+        b = make_paged_batch(torch, [s - 1 for s in seq_lens], [1] * len(seq_lens), hq, hkv, d, dtype, self.device, g)
+        scale = d**-0.5
         args = (b["req_to_token"], b["req_pool_indices"], b["seq_lens"], scale, b["max_seq_len"])
         ref = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=self.device)
         self.ref.decode_attention(b["q"], b["k_cache"], b["v_cache"], ref, *args)
         out = torch.full_like(b["q"], float("nan"))
         self.tri.decode_attention(b["q"], b["k_cache"], b["v_cache"], out, *args, num_kv_splits=num_kv_splits)
         splits = f" splits={num_kv_splits}" if num_kv_splits else ""
-        self.record("decode_attention", dtype, f"Hq{hq}/Hkv{hkv} D{d}", case + splits, rel_err(torch, out, ref),
-                    TOLERANCE[str(dtype).replace("torch.", "")])
+        self.record(
+            "decode_attention",
+            dtype,
+            f"Hq{hq}/Hkv{hkv} D{d}",
+            case + splits,
+            rel_err(torch, out, ref),
+            TOLERANCE[str(dtype).replace("torch.", "")],
+        )
 
     def decode_one_launch(self, dtype, hq, hkv, d, seq_lens, case, g, num_kv_splits=None):
         """kernels/one_launch_decode.py's plain path (splits merged in the same launch) against the reference."""
         from kernels import one_launch_decode
+
         torch = self.torch
-        b = make_paged_batch(torch, [s - 1 for s in seq_lens], [1] * len(seq_lens), hq, hkv, d, dtype,
-                             self.device, g)
-        args = (b["req_to_token"], b["req_pool_indices"], b["seq_lens"], d ** -0.5, b["max_seq_len"])
+        b = make_paged_batch(torch, [s - 1 for s in seq_lens], [1] * len(seq_lens), hq, hkv, d, dtype, self.device, g)
+        args = (b["req_to_token"], b["req_pool_indices"], b["seq_lens"], d**-0.5, b["max_seq_len"])
         ref = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=self.device)
         self.ref.decode_attention(b["q"], b["k_cache"], b["v_cache"], ref, *args)
         errs = []
         for _ in range(2):  # twice: the arrival counts must be back at 0 after a launch
             out = torch.full_like(b["q"], float("nan"))
-            one_launch_decode.decode_attention(b["q"], b["k_cache"], b["v_cache"], out, *args,
-                                               num_kv_splits=num_kv_splits)
+            one_launch_decode.decode_attention(
+                b["q"], b["k_cache"], b["v_cache"], out, *args, num_kv_splits=num_kv_splits
+            )
             errs.append(rel_err(torch, out, ref))
         splits = f" splits={num_kv_splits}" if num_kv_splits else ""
-        self.record("decode_one_launch", dtype, f"Hq{hq}/Hkv{hkv} D{d}", case + splits, max(errs),
-                    TOLERANCE[str(dtype).replace("torch.", "")])
+        self.record(
+            "decode_one_launch",
+            dtype,
+            f"Hq{hq}/Hkv{hkv} D{d}",
+            case + splits,
+            max(errs),
+            TOLERANCE[str(dtype).replace("torch.", "")],
+        )
 
     def qkv_prep(self, dtype, tokens, hq, hkv, d, rotary_dim, norm, g):
         """kernels/triton_qkv.py (Q/K norms + RoPE + KV store) against its twin, on strided views of one QKV row."""
         from kernels import triton_qkv
+
         torch = self.torch
         tol = ELEMENTWISE_TOLERANCE[str(dtype).replace("torch.", "")]
 
@@ -165,42 +133,65 @@ class Checker:
         results = []
         for impl in (self.ref, triton_qkv):
             x, kc, vc = qkv.clone(), caches[0].clone(), caches[1].clone()
-            views = (x[:, :hq * d].view(tokens, hq, d), x[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d),
-                     x[:, (hq + hkv) * d:].view(tokens, hkv, d))
+            views = (
+                x[:, : hq * d].view(tokens, hq, d),
+                x[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d),
+                x[:, (hq + hkv) * d :].view(tokens, hkv, d),
+            )
             impl.qk_norm_rope_store(*views, positions, cos_sin, *weights, 1e-6, kc, vc, loc)
             results.append((x, kc, vc))
         (x0, k0, v0), (x1, k1, v1) = results
         err = max(rel_err(torch, x1, x0), rel_err(torch, k1, k0), 0.0 if torch.equal(v1, v0) else float("inf"))
-        self.record("qkv_prep", dtype, f"T{tokens} {hq}/{hkv}x{d}",
-                    f"{'q/k norm, ' if norm else ''}rotary_dim {rotary_dim}, strided views", err, tol)
+        self.record(
+            "qkv_prep",
+            dtype,
+            f"T{tokens} {hq}/{hkv}x{d}",
+            f"{'q/k norm, ' if norm else ''}rotary_dim {rotary_dim}, strided views",
+            err,
+            tol,
+        )
 
     def gate_up(self, dtype, rows, hidden, inter, g, config=None):
         """kernels/triton_mlp.py against its twin (the projection, then SiLU-and-mul)."""
         from kernels import triton_mlp
+
         torch = self.torch
         dev_gen = torch.Generator(device=self.device)  # model-sized weights: drawn where they live
-        dev_gen.manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=g)))
-        x = (torch.randn(rows, hidden, generator=dev_gen, device=self.device) / hidden ** 0.25).to(dtype)
-        w = (torch.randn(2 * inter, hidden, generator=dev_gen, device=self.device) / hidden ** 0.25).to(dtype)
+        dev_gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
+        x = (torch.randn(rows, hidden, generator=dev_gen, device=self.device) / hidden**0.25).to(dtype)
+        w = (torch.randn(2 * inter, hidden, generator=dev_gen, device=self.device) / hidden**0.25).to(dtype)
         ref = self.ref.silu_and_mul(torch.nn.functional.linear(x.float(), w.float()))
         out = triton_mlp.gate_up_silu(x, w, config)
-        self.record("gate_up_silu", dtype, f"M{rows} H{hidden} I{inter}", "vs fp32 projection + silu_and_mul",
-                    rel_err(torch, out, ref), TOLERANCE[str(dtype).replace("torch.", "")])
+        self.record(
+            "gate_up_silu",
+            dtype,
+            f"M{rows} H{hidden} I{inter}",
+            "vs fp32 projection + silu_and_mul",
+            rel_err(torch, out, ref),
+            TOLERANCE[str(dtype).replace("torch.", "")],
+        )
 
     def skinny(self, dtype, rows, n, k, g, splits=None):
         """kernels/triton_skinny_linear.py against an fp32 projection; twice, to show the split counters reset."""
         from kernels import triton_skinny_linear
+
         torch = self.torch
         dev_gen = torch.Generator(device=self.device)
-        dev_gen.manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=g)))
-        x = (torch.randn(rows, k, generator=dev_gen, device=self.device) / k ** 0.25).to(dtype)
-        w = (torch.randn(n, k, generator=dev_gen, device=self.device) / k ** 0.25).to(dtype)
+        dev_gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
+        x = (torch.randn(rows, k, generator=dev_gen, device=self.device) / k**0.25).to(dtype)
+        w = (torch.randn(n, k, generator=dev_gen, device=self.device) / k**0.25).to(dtype)
         ref = torch.nn.functional.linear(x.float(), w.float())
         first = triton_skinny_linear.skinny_linear(x, w, splits=splits)
         second = triton_skinny_linear.skinny_linear(x, w, splits=splits)
         err = rel_err(torch, first, ref) if torch.equal(first, second) else float("inf")  # deterministic, reset
-        self.record("skinny_linear", dtype, f"M{rows} N{n} K{k}", f"splits {splits or 'auto'} vs fp32 projection",
-                    err, TOLERANCE[str(dtype).replace("torch.", "")])
+        self.record(
+            "skinny_linear",
+            dtype,
+            f"M{rows} N{n} K{k}",
+            f"splits {splits or 'auto'} vs fp32 projection",
+            err,
+            TOLERANCE[str(dtype).replace("torch.", "")],
+        )
 
     def store_kv(self, dtype, n, hkv, d, g, index_dtype):
         torch = self.torch
@@ -208,14 +199,20 @@ class Checker:
         caches = [torch.randn(num_slots, hkv, d, generator=g).to(self.device, dtype) for _ in range(2)]
         # k/v as strided views of a wider buffer, as they come out of a fused qkv projection.
         fused = torch.randn(n, 3 * hkv, d, generator=g).to(self.device, dtype)
-        k, v = fused[:, hkv:2 * hkv], fused[:, 2 * hkv:]
+        k, v = fused[:, hkv : 2 * hkv], fused[:, 2 * hkv :]
         loc = torch.randperm(num_slots, generator=g)[:n].to(self.device, index_dtype)
         expect = [c.clone() for c in caches]
         self.ref.store_kv(k, v, expect[0], expect[1], loc)
         self.tri.store_kv(k, v, caches[0], caches[1], loc)
         same = torch.equal(caches[0], expect[0]) and torch.equal(caches[1], expect[1])
-        self.record("store_kv", dtype, f"N{n} Hkv{hkv} D{d}", f"loc {str(index_dtype)[6:]}, strided k/v",
-                    0.0 if same else float("inf"), 1e-30)
+        self.record(
+            "store_kv",
+            dtype,
+            f"N{n} Hkv{hkv} D{d}",
+            f"loc {str(index_dtype)[6:]}, strided k/v",
+            0.0 if same else float("inf"),
+            1e-30,
+        )
 
     def elementwise(self, dtype, tokens, hidden, hq, hkv, d, rotary_dim, inter, g, ew):
         torch = self.torch
@@ -225,28 +222,60 @@ class Checker:
             return torch.randn(*shape, generator=g).to(self.device, dtype)
 
         x, res, w = randn(tokens, hidden), randn(tokens, hidden), randn(hidden)
-        self.record("rmsnorm", dtype, f"T{tokens} H{hidden}", "no residual",
-                    rel_err(torch, ew.rmsnorm(x, w, 1e-6), self.ref.rmsnorm(x, w, 1e-6)), tol)
+        self.record(
+            "rmsnorm",
+            dtype,
+            f"T{tokens} H{hidden}",
+            "no residual",
+            rel_err(torch, ew.rmsnorm(x, w, 1e-6), self.ref.rmsnorm(x, w, 1e-6)),
+            tol,
+        )
         out, h = ew.rmsnorm(x, w, 1e-5, res)
         ref_out, ref_h = self.ref.rmsnorm(x, w, 1e-5, res)
-        self.record("rmsnorm", dtype, f"T{tokens} H{hidden}", "fused residual add (out, h)",
-                    max(rel_err(torch, out, ref_out), rel_err(torch, h, ref_h)), tol)
+        self.record(
+            "rmsnorm",
+            dtype,
+            f"T{tokens} H{hidden}",
+            "fused residual add (out, h)",
+            max(rel_err(torch, out, ref_out), rel_err(torch, h, ref_h)),
+            tol,
+        )
 
         # q and k are strided windows of one fused qkv row, as the attention layer slices them.
         qkv = randn(tokens, (hq + 2 * hkv) * d)
         cos_sin = torch.randn(4096, rotary_dim, generator=g).to(self.device)
         positions = torch.randint(0, 4096, (tokens,), generator=g).to(self.device)
         expect = qkv.clone()
-        self.ref.rope(expect[:, :hq * d].view(tokens, hq, d), expect[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d),
-                      positions, cos_sin)
-        ew.rope(qkv[:, :hq * d].view(tokens, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d),
-                positions, cos_sin)
-        self.record("rope", dtype, f"T{tokens} {hq}/{hkv}x{d}", f"strided q/k views, rotary_dim {rotary_dim}",
-                    rel_err(torch, qkv, expect), tol)
+        self.ref.rope(
+            expect[:, : hq * d].view(tokens, hq, d),
+            expect[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d),
+            positions,
+            cos_sin,
+        )
+        ew.rope(
+            qkv[:, : hq * d].view(tokens, hq, d),
+            qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d),
+            positions,
+            cos_sin,
+        )
+        self.record(
+            "rope",
+            dtype,
+            f"T{tokens} {hq}/{hkv}x{d}",
+            f"strided q/k views, rotary_dim {rotary_dim}",
+            rel_err(torch, qkv, expect),
+            tol,
+        )
 
         x = randn(tokens, 2 * inter)
-        self.record("silu_and_mul", dtype, f"T{tokens} I{inter}", "",
-                    rel_err(torch, ew.silu_and_mul(x), self.ref.silu_and_mul(x)), tol)
+        self.record(
+            "silu_and_mul",
+            dtype,
+            f"T{tokens} I{inter}",
+            "",
+            rel_err(torch, ew.silu_and_mul(x), self.ref.silu_and_mul(x)),
+            tol,
+        )
 
     def markdown(self, header):
         lines = [header, "", "| kernel | dtype | shape | case | rel err | tol | |", "|---|---|---|---|---|---|---|"]
@@ -291,19 +320,37 @@ def main():
     b = make_paged_batch(torch, [9, 0], [5, 18], 4, 2, 32, torch.float32, device, g)
     via_api = torch.full_like(b["q"], float("nan"))
     direct = torch.full_like(b["q"], float("nan"))
-    common = (b["k_cache"], b["v_cache"], b["req_to_token"], b["req_pool_indices"], b["prefix_lens"],
-              b["extend_lens"], b["extend_start_loc"], 0.2, b["max_extend_len"])
+    common = (
+        b["k_cache"],
+        b["v_cache"],
+        b["req_to_token"],
+        b["req_pool_indices"],
+        b["prefix_lens"],
+        b["extend_lens"],
+        b["extend_start_loc"],
+        0.2,
+        b["max_extend_len"],
+    )
     kernels.extend_attention(b["q"], b["k"], b["v"], via_api, *common)
     triton_attention.extend_attention(b["q"], b["k"], b["v"], direct, *common)
-    check.record("dispatch", torch.float32, "-", "kernels.extend_attention == triton",
-                 0.0 if torch.equal(via_api, direct) else float("inf"), 1e-30)
+    check.record(
+        "dispatch",
+        torch.float32,
+        "-",
+        "kernels.extend_attention == triton",
+        0.0 if torch.equal(via_api, direct) else float("inf"),
+        1e-30,
+    )
 
     elapsed = time.time() - started
     name = "CPU (TRITON_INTERPRET=1)" if args.interpret else torch.cuda.get_device_name()
     import triton
-    header = (f"# Triton kernels vs torch reference: {name}\n\n"
-              f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"`{command_line()}`, {elapsed:.0f} s")
+
+    header = (
+        f"# Triton kernels vs torch reference: {name}\n\n"
+        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"`{command_line()}`, {elapsed:.0f} s"
+    )
     failed = [r for r in check.rows if not r[-1]]
     print(f"\n{len(check.rows) - len(failed)}/{len(check.rows)} cases pass in {elapsed:.1f} s (seed {args.seed})")
     if args.out:

@@ -52,20 +52,34 @@ def main() -> None:
     prompts = workload(ns.groups, ns.per_group, ns.system_len, ns.question_len, vocab)
     if ns.only_mode:
         extra = {"max_total_tokens": ns.max_total_tokens} if ns.max_total_tokens else {}
-        row = run(model_dir, prompts, ns.output_len, ns.repeats, device=ns.device, tp_size=ns.tp_size,
-                  **MODES[ns.only_mode], **extra)
+        row = run(
+            model_dir,
+            prompts,
+            ns.output_len,
+            ns.repeats,
+            device=ns.device,
+            tp_size=ns.tp_size,
+            **MODES[ns.only_mode],
+            **extra,
+        )
         row["hit_rate"] = round(row["cached_prompt_tokens"]["median"] / row["input_tokens"]["median"], 4)
         print("ROW " + json.dumps(row))
         return
     record = run_record()
     print(f"{record['date']}  {record['command']}  (commit {record['git_commit']})")
-    print(f"{ns.config} (dummy weights) on {record['gpu']}: {len(prompts)} requests, {ns.groups} system prompts of "
-          f"{ns.system_len} tokens + {ns.question_len}-token questions, {ns.output_len} output tokens, tp {ns.tp_size}")
+    print(
+        f"{ns.config} (dummy weights) on {record['gpu']}: {len(prompts)} requests, {ns.groups} system prompts of "
+        f"{ns.system_len} tokens + {ns.question_len}-token questions, {ns.output_len} output tokens, tp {ns.tp_size}"
+    )
     rows = {}
     modes = ns.modes.split(",")
     for mode in modes:
-        proc = subprocess.run([sys.executable, "-m", "bench.data_parallel_bench", *sys.argv[1:], "--only-mode", mode],
-                              cwd=REPO, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.data_parallel_bench", *sys.argv[1:], "--only-mode", mode],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
         if proc.returncode or not lines:
             print(f"{mode}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)

@@ -35,28 +35,69 @@ import torch
 from radixserve import Engine, SamplingParams
 from radixserve.testing import smollm2_dir
 
-SUBJECTS = ["the moon", "bread", "rivers", "chess", "volcanoes", "bees", "the printing press", "glaciers",
-            "electric motors", "tea", "octopuses", "bridges", "the Roman empire", "rainbows", "compost", "jazz"]
-ASKS = ["Explain {} to a ten-year-old.", "Write a short poem about {}.", "What are three facts about {}?",
-        "Why do people find {} interesting?", "Describe {} in one paragraph.", "What is the history of {}?",
-        "Give me a quiz question about {}.", "How would you teach a class about {}?",
-        "List some common misconceptions about {}.", "Compare {} with something from everyday life.",
-        "Tell a story that involves {}.", "What would a scientist say about {}?", "Summarize {} in two sentences.",
-        "What questions do children ask about {}?", "Write a haiku about {}.", "How has {} changed over time?"]
+SUBJECTS = [
+    "the moon",
+    "bread",
+    "rivers",
+    "chess",
+    "volcanoes",
+    "bees",
+    "the printing press",
+    "glaciers",
+    "electric motors",
+    "tea",
+    "octopuses",
+    "bridges",
+    "the Roman empire",
+    "rainbows",
+    "compost",
+    "jazz",
+]
+ASKS = [
+    "Explain {} to a ten-year-old.",
+    "Write a short poem about {}.",
+    "What are three facts about {}?",
+    "Why do people find {} interesting?",
+    "Describe {} in one paragraph.",
+    "What is the history of {}?",
+    "Give me a quiz question about {}.",
+    "How would you teach a class about {}?",
+    "List some common misconceptions about {}.",
+    "Compare {} with something from everyday life.",
+    "Tell a story that involves {}.",
+    "What would a scientist say about {}?",
+    "Summarize {} in two sentences.",
+    "What questions do children ask about {}?",
+    "Write a haiku about {}.",
+    "How has {} changed over time?",
+]
 
 
-PLACES = ["a science museum", "a public library", "a primary school", "a botanical garden", "a city archive",
-          "a radio station", "a cooking school", "a maritime museum"]
+PLACES = [
+    "a science museum",
+    "a public library",
+    "a primary school",
+    "a botanical garden",
+    "a city archive",
+    "a radio station",
+    "a cooking school",
+    "a maritime museum",
+]
 
 
 def system_message(place: str) -> str:
     """A long system prompt in the style of a deployed assistant's (~700 tokens): many requests share it."""
-    rules = [f"Rule {i + 1}: when a visitor asks about {subject}, answer in plain words, name one thing they could "
-             f"see or try at {place}, and keep the answer short enough to read aloud in a minute."
-             for i, subject in enumerate(SUBJECTS)]
-    return (f"You are the assistant of {place}. You answer visitors' questions politely and truthfully. " +
-            " ".join(rules) + f" Never invent opening hours or prices; send visitors to the front desk of {place} "
-            "for those. If a question is unclear, ask one short question back.")
+    rules = [
+        f"Rule {i + 1}: when a visitor asks about {subject}, answer in plain words, name one thing they could "
+        f"see or try at {place}, and keep the answer short enough to read aloud in a minute."
+        for i, subject in enumerate(SUBJECTS)
+    ]
+    return (
+        f"You are the assistant of {place}. You answer visitors' questions politely and truthfully. "
+        + " ".join(rules)
+        + f" Never invent opening hours or prices; send visitors to the front desk of {place} "
+        "for those. If a question is unclear, ask one short question back."
+    )
 
 
 def chat_prompts(tokenizer, n: int, system_prompts: int = 0) -> list[list[int]]:
@@ -72,20 +113,27 @@ def chat_prompts(tokenizer, n: int, system_prompts: int = 0) -> list[list[int]]:
         messages = [{"role": "user", "content": ask.format(subject)}]
         if system_prompts:
             messages.insert(0, {"role": "system", "content": system_message(PLACES[i % system_prompts])})
-        prompts.append(list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                          return_dict=False)))
+        prompts.append(
+            list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+        )
     return prompts
 
 
-def radixserve_greedy(model_dir: Path, device: str, mode: str, prompts: list[list[int]], new_tokens: int,
-                      watchdog_timeout: float | None) -> tuple[list[list[int]], dict]:
+def radixserve_greedy(
+    model_dir: Path, device: str, mode: str, prompts: list[list[int]], new_tokens: int, watchdog_timeout: float | None
+) -> tuple[list[list[int]], dict]:
     """Greedy tokens of one mode ("float32", "bfloat16+shared-prefix", ...) and the engine's cache statistics."""
     dtype, _, variant = mode.partition("+")
     if variant not in ("", "shared-prefix"):
         raise SystemExit(f"unknown mode {mode!r}: a dtype, optionally with +shared-prefix")
     params = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
-    with Engine(str(model_dir), device=device, dtype=dtype, watchdog_timeout=watchdog_timeout,
-                disable_shared_prefix_attention=variant != "shared-prefix") as engine:
+    with Engine(
+        str(model_dir),
+        device=device,
+        dtype=dtype,
+        watchdog_timeout=watchdog_timeout,
+        disable_shared_prefix_attention=variant != "shared-prefix",
+    ) as engine:
         results = engine.generate(prompts, params)
         info = engine.server_info()
     for r in results:
@@ -101,7 +149,7 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int, device: str, bat
     out: one sequence at a time took 2 s per token in bf16 on a CPU."""
     outputs = []
     for start in range(0, len(prompts), batch):
-        group = prompts[start:start + batch]
+        group = prompts[start : start + batch]
         width = max(map(len, group))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in group], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
@@ -113,21 +161,27 @@ def hf_greedy(model, prompts: list[list[int]], new_tokens: int, device: str, bat
             tokens.append(next_ids)
             mask = torch.cat([mask, torch.ones_like(next_ids)], dim=1)
             positions = positions[:, -1:] + 1
-            out = model(input_ids=next_ids, attention_mask=mask, position_ids=positions,
-                        past_key_values=out.past_key_values, use_cache=True)
+            out = model(
+                input_ids=next_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
         outputs += torch.cat(tokens, dim=1).tolist()
     return outputs
 
 
 @torch.inference_mode()
-def teacher_forced_agreement(reference, prompts: list[list[int]], generated: list[list[int]],
-                             device: str) -> tuple[int, int, int]:
+def teacher_forced_agreement(
+    reference, prompts: list[list[int]], generated: list[list[int]], device: str
+) -> tuple[int, int, int]:
     """(positions where the reference's argmax is the generated token, positions, sequences that agree at every
     position), the reference reading prompt + generated tokens in one forward per sequence."""
     agree = total = whole = 0
     for prompt, tokens in zip(prompts, generated):
         ids = torch.tensor([prompt + tokens], device=device)
-        logits = reference(ids).logits[0, len(prompt) - 1:-1]  # position t predicts token t + 1
+        logits = reference(ids).logits[0, len(prompt) - 1 : -1]  # position t predicts token t + 1
         hits = int((logits.argmax(-1).cpu() == torch.tensor(tokens)).sum())
         agree, total, whole = agree + hits, total + len(tokens), whole + (hits == len(tokens))
     return agree, total, whole
@@ -144,12 +198,20 @@ def main() -> int:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--modes", default="float32,bfloat16",
-                        help="radixserve modes to check: a dtype, or DTYPE+shared-prefix for the grouped decode path")
-    parser.add_argument("--system-prompts", type=int, default=0,
-                        help="give the prompts this many long shared system messages (0: none)")
-    parser.add_argument("--watchdog-timeout", type=float, default=None,
-                        help="the Engine's --watchdog-timeout (default the server's); a busy shared CPU may need more")
+    parser.add_argument(
+        "--modes",
+        default="float32,bfloat16",
+        help="radixserve modes to check: a dtype, or DTYPE+shared-prefix for the grouped decode path",
+    )
+    parser.add_argument(
+        "--system-prompts", type=int, default=0, help="give the prompts this many long shared system messages (0: none)"
+    )
+    parser.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=None,
+        help="the Engine's --watchdog-timeout (default the server's); a busy shared CPU may need more",
+    )
     parser.add_argument("--hf-batch", type=int, default=64, help="sequences per batch of HF's bf16 greedy decoding")
     parser.add_argument("--out", default=None, help="JSON record (default bench/results/fidelity-<device>.json)")
     ns = parser.parse_args()
@@ -166,11 +228,19 @@ def main() -> int:
         t0 = time.monotonic()
         generated, info = radixserve_greedy(model_dir, ns.device, mode, prompts, ns.new_tokens, ns.watchdog_timeout)
         agree, total, whole = teacher_forced_agreement(hf32, prompts, generated, ns.device)
-        rows[f"radixserve {mode}"] = {"agree": agree, "positions": total, "top1_agreement": agree / total,
-                                      "sequences_all_agree": whole, "seconds": round(time.monotonic() - t0, 1),
-                                      "shared_prefix_tokens_saved": info.get("shared_prefix_tokens_saved", 0)}
-        print(f"radixserve {mode}: {agree}/{total} = {agree / total:.4%} ({whole}/{len(prompts)} sequences whole, "
-              f"{info.get('shared_prefix_tokens_saved', 0)} KV tokens read once for a group)", flush=True)
+        rows[f"radixserve {mode}"] = {
+            "agree": agree,
+            "positions": total,
+            "top1_agreement": agree / total,
+            "sequences_all_agree": whole,
+            "seconds": round(time.monotonic() - t0, 1),
+            "shared_prefix_tokens_saved": info.get("shared_prefix_tokens_saved", 0),
+        }
+        print(
+            f"radixserve {mode}: {agree}/{total} = {agree / total:.4%} ({whole}/{len(prompts)} sequences whole, "
+            f"{info.get('shared_prefix_tokens_saved', 0)} KV tokens read once for a group)",
+            flush=True,
+        )
         if mode.endswith("+shared-prefix") and not info.get("shared_prefix_tokens_saved"):
             raise RuntimeError(f"{mode}: no decode ran grouped (are the shared system prompts long enough?)")
 
@@ -179,26 +249,42 @@ def main() -> int:
     generated = hf_greedy(hf16, prompts, ns.new_tokens, ns.device, ns.hf_batch)
     agree, total, whole = teacher_forced_agreement(hf32, prompts, generated, ns.device)
     rows["HF transformers bfloat16 (reference bar)"] = {
-        "agree": agree, "positions": total, "top1_agreement": agree / total, "sequences_all_agree": whole,
-        "seconds": round(time.monotonic() - t0, 1)}
+        "agree": agree,
+        "positions": total,
+        "top1_agreement": agree / total,
+        "sequences_all_agree": whole,
+        "seconds": round(time.monotonic() - t0, 1),
+    }
     print(f"HF bfloat16 (bar): {agree}/{total} = {agree / total:.4%} ({whole}/{len(prompts)} sequences whole)")
 
     import transformers
-    record = {"command": shlex.join(["python", "-m", "bench.fidelity", *sys.argv[1:]]),
-              "date_utc": started.strftime("%Y-%m-%d %H:%M"), "machine": machine(ns.device), "device": ns.device,
-              "model": "SmolLM2-135M-Instruct (radixserve.testing.smollm2_dir)", "prompts": len(prompts),
-              "system_prompts": ns.system_prompts, "mean_prompt_tokens": round(sum(map(len, prompts)) / len(prompts)),
-              "new_tokens": ns.new_tokens, "transformers": transformers.__version__, "torch": torch.__version__,
-              "measure": "top-1 agreement of HF fp32 (teacher-forced) with each mode's greedy tokens",
-              "results": rows}
+
+    record = {
+        "command": shlex.join(["python", "-m", "bench.fidelity", *sys.argv[1:]]),
+        "date_utc": started.strftime("%Y-%m-%d %H:%M"),
+        "machine": machine(ns.device),
+        "device": ns.device,
+        "model": "SmolLM2-135M-Instruct (radixserve.testing.smollm2_dir)",
+        "prompts": len(prompts),
+        "system_prompts": ns.system_prompts,
+        "mean_prompt_tokens": round(sum(map(len, prompts)) / len(prompts)),
+        "new_tokens": ns.new_tokens,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "measure": "top-1 agreement of HF fp32 (teacher-forced) with each mode's greedy tokens",
+        "results": rows,
+    }
     out = Path(ns.out or f"bench/results/fidelity-{ns.device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {out}")
     # fp32 must agree everywhere; any other dtype at least as well as HF's own bf16 does.
     bar = rows["HF transformers bfloat16 (reference bar)"]["top1_agreement"]
-    ok = all(row["top1_agreement"] == 1.0 if name.startswith("radixserve float32") else row["top1_agreement"] >= bar
-             for name, row in rows.items() if name.startswith("radixserve "))
+    ok = all(
+        row["top1_agreement"] == 1.0 if name.startswith("radixserve float32") else row["top1_agreement"] >= bar
+        for name, row in rows.items()
+        if name.startswith("radixserve ")
+    )
     return 0 if ok else 1
 
 

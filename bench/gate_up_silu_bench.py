@@ -22,9 +22,19 @@ from kernels import triton_elementwise, triton_mlp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COPIES = 8
-SWEEP = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
-         for n, k, w, s in [(32, 128, 4, 4), (16, 128, 4, 4), (64, 128, 4, 4), (32, 256, 4, 3), (32, 64, 4, 6),
-                            (64, 64, 4, 5), (32, 128, 8, 4), (64, 128, 8, 3)]]
+SWEEP = [
+    dict(BLOCK_N=n, BLOCK_K=k, num_warps=w, num_stages=s)
+    for n, k, w, s in [
+        (32, 128, 4, 4),
+        (16, 128, 4, 4),
+        (64, 128, 4, 4),
+        (32, 256, 4, 3),
+        (32, 64, 4, 6),
+        (64, 64, 4, 5),
+        (32, 128, 8, 4),
+        (64, 128, 8, 3),
+    ]
+]
 
 
 def mlp_shape(config):
@@ -52,8 +62,10 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for config in ("qwen3-8b", "qwen3-0.6b"):
         hidden, inter = mlp_shape(config)
-        weights = [(torch.randn(2 * inter, hidden, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-                   for _ in range(COPIES)]
+        weights = [
+            (torch.randn(2 * inter, hidden, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+            for _ in range(COPIES)
+        ]
         weight_bytes = weights[0].numel() * 2
         if ns.sweep:
             for rows in (1, 16):
@@ -64,20 +76,28 @@ def main() -> None:
                     except Exception as exc:  # e.g. out of shared memory
                         print(f"{config} M{rows} {cfg}: {type(exc).__name__}")
                         continue
-                    print(f"{config} sweep M{rows} {cfg}: {t * 1e6:.1f} us, {weight_bytes / t / copy_bw:.0%} of copy "
-                          f"bandwidth", flush=True)
+                    print(
+                        f"{config} sweep M{rows} {cfg}: {t * 1e6:.1f} us, {weight_bytes / t / copy_bw:.0%} of copy "
+                        f"bandwidth",
+                        flush=True,
+                    )
         best_rows, winning = 0, True
         for rows in sorted(ns.rows):
             x = torch.randn(rows, hidden, generator=gen, device="cuda").to(torch.bfloat16)
             fused = time_per_call(triton_mlp.gate_up_silu, weights, x)
             base = time_per_call(unfused, weights, x)
-            err = ((triton_mlp.gate_up_silu(x, weights[0]).float() - unfused(x, weights[0]).float()).norm()
-                   / unfused(x, weights[0]).float().norm()).item()
+            err = (
+                (triton_mlp.gate_up_silu(x, weights[0]).float() - unfused(x, weights[0]).float()).norm()
+                / unfused(x, weights[0]).float().norm()
+            ).item()
             winning = winning and fused < base
             best_rows = rows if winning else best_rows
-            print(f"{config:<11} M{rows:<4} fused {fused * 1e6:7.1f} us ({weight_bytes / fused / copy_bw:4.0%})  "
-                  f"cuBLAS + silu_and_mul {base * 1e6:7.1f} us ({weight_bytes / base / copy_bw:4.0%})  "
-                  f"{base / fused:5.2f}x  rel err {err:.1e}", flush=True)
+            print(
+                f"{config:<11} M{rows:<4} fused {fused * 1e6:7.1f} us ({weight_bytes / fused / copy_bw:4.0%})  "
+                f"cuBLAS + silu_and_mul {base * 1e6:7.1f} us ({weight_bytes / base / copy_bw:4.0%})  "
+                f"{base / fused:5.2f}x  rel err {err:.1e}",
+                flush=True,
+            )
         print(f"{config}: fused wins up to {best_rows} rows (the contiguous run from 1 row)", flush=True)
         del weights
         torch.cuda.empty_cache()

@@ -18,15 +18,27 @@ from radixserve.sampling import SamplingParams
 
 
 def prompts(engine: Engine) -> list[list[int]]:
-    texts = ["The quick brown fox jumps over", "Radix trees share prefixes because", "1 2 3 4 5 6 7 8",
-             "A long shared system prompt " * 40 + "and a question?"]
+    texts = [
+        "The quick brown fox jumps over",
+        "Radix trees share prefixes because",
+        "1 2 3 4 5 6 7 8",
+        "A long shared system prompt " * 40 + "and a question?",
+    ]
     return [engine.tokenizer.encode(t) for t in texts]
 
 
 def run(model_dir: str, device: str, dtype: str, backend: str, cuda_graph: bool = True, tp_size: int = 1):
-    with Engine(model_dir, device=device, dtype=dtype, kernel_backend=backend, max_total_tokens=8192,
-                chunked_prefill_size=64, disable_cuda_graph=not cuda_graph, cuda_graph_max_bs=32,
-                tp_size=tp_size) as engine:
+    with Engine(
+        model_dir,
+        device=device,
+        dtype=dtype,
+        kernel_backend=backend,
+        max_total_tokens=8192,
+        chunked_prefill_size=64,
+        disable_cuda_graph=not cuda_graph,
+        cuda_graph_max_bs=32,
+        tp_size=tp_size,
+    ) as engine:
         params = SamplingParams(temperature=0.0, max_new_tokens=48, ignore_eos=True)
         batch = prompts(engine) * 4  # repeated prompts: the second copies hit the radix cache
         start = time.perf_counter()
@@ -38,12 +50,14 @@ def run(model_dir: str, device: str, dtype: str, backend: str, cuda_graph: bool 
 
 def compare(model_dir, cpu, gpu, label, t_cpu, t_gpu) -> int:
     same = sum(a == b for a, b in zip(cpu, gpu))
-    print(f"{model_dir}: fp32 greedy, {label} vs CPU reference: {same}/{len(cpu)} sequences identical "
-          f"(cpu {t_cpu:.1f}s, gpu {t_gpu:.1f}s)")
+    print(
+        f"{model_dir}: fp32 greedy, {label} vs CPU reference: {same}/{len(cpu)} sequences identical "
+        f"(cpu {t_cpu:.1f}s, gpu {t_gpu:.1f}s)"
+    )
     for a, b in zip(cpu, gpu):
         if a != b:
             first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-            print(f"  first divergence at token {first}: cpu {a[first:first + 5]} gpu {b[first:first + 5]}")
+            print(f"  first divergence at token {first}: cpu {a[first : first + 5]} gpu {b[first : first + 5]}")
             return 1
     return 0
 

@@ -60,13 +60,19 @@ def main() -> None:
         start = time.perf_counter()
         compiled = compiler.compile(spec)
         compile_s = time.perf_counter() - start
-        medians = [statistics.median(walk(compiled, vocab_size, ns.rows, ns.steps, seed)) * 1e3
-                   for seed in range(ns.repeats)]
-        results[mode] = {"compile_s": round(compile_s, 2), "fill_ms_per_step": round(statistics.median(medians), 3),
-                         "fill_ms_spread": [round(min(medians), 3), round(max(medians), 3)]}
-        print(f"{mode:26s} compile {compile_s:6.2f} s   fill per step ({ns.rows} rows) median "
-              f"{results[mode]['fill_ms_per_step']:8.3f} ms  (runs {', '.join(f'{m:.3f}' for m in medians)})",
-              flush=True)
+        medians = [
+            statistics.median(walk(compiled, vocab_size, ns.rows, ns.steps, seed)) * 1e3 for seed in range(ns.repeats)
+        ]
+        results[mode] = {
+            "compile_s": round(compile_s, 2),
+            "fill_ms_per_step": round(statistics.median(medians), 3),
+            "fill_ms_spread": [round(min(medians), 3), round(max(medians), 3)],
+        }
+        print(
+            f"{mode:26s} compile {compile_s:6.2f} s   fill per step ({ns.rows} rows) median "
+            f"{results[mode]['fill_ms_per_step']:8.3f} ms  (runs {', '.join(f'{m:.3f}' for m in medians)})",
+            flush=True,
+        )
     row = {"rows": ns.rows, "steps": ns.steps, "vocab_size": vocab_size, "results": results, **run_record()}
     if ns.json_out:
         with open(ns.json_out, "w") as f:

@@ -57,8 +57,11 @@ def rounds_of_prompts(w: Workload, vocab: int, seed: int = 0) -> list[list[list[
     systems = [rng.integers(100, vocab - 100, w.system_len).tolist() for _ in range(w.groups)]
     rounds = []
     for _ in range(w.rounds):
-        prompts = [systems[g] + rng.integers(100, vocab - 100, w.question_len).tolist()
-                   for g in range(w.groups) for _ in range(w.per_group)]
+        prompts = [
+            systems[g] + rng.integers(100, vocab - 100, w.question_len).tolist()
+            for g in range(w.groups)
+            for _ in range(w.per_group)
+        ]
         rounds.append([prompts[i] for i in rng.permutation(len(prompts))])
     return rounds
 
@@ -93,6 +96,7 @@ class InProcessSmokeEngine:
 
     def __init__(self, model_dir: str, **engine_args):
         from scheduler_service.in_process_engine import InProcessEngine
+
         self.engine = InProcessEngine(model_dir, **engine_args)
 
     def generate(self, prompts, params):
@@ -103,10 +107,10 @@ class InProcessSmokeEngine:
 
     def server_info(self) -> dict:
         from scheduler_service.cache_stats import cache_numbers
+
         s = self.engine.scheduler
         s.check_invariant(walk_tree=True)  # raises when broken
-        return {"kv_invariant_ok": True, "prefill_tokens_computed": s.stats.prefill_tokens_computed,
-                **cache_numbers(s)}
+        return {"kv_invariant_ok": True, "prefill_tokens_computed": s.stats.prefill_tokens_computed, **cache_numbers(s)}
 
 
 def run_mode(model_dir: str, w: Workload, vocab: int, repeats: int, smoke: bool, **engine_args) -> dict:
@@ -128,11 +132,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", default="qwen3-8b", help="model shape (radixserve/testing/configs)")
     parser.add_argument("--tokenizer", help="tokenizer dir (e.g. the Qwen3 tokenizer); not with --smoke")
-    parser.add_argument("--workload", type=int, nargs=6,
-                        metavar=("GROUPS", "PER_GROUP", "SYSTEM", "QUESTION", "OUT", "ROUNDS"),
-                        help=f"default: {' '.join(map(str, DEFAULT))}")
-    parser.add_argument("--hicache-size", type=float, default=None,
-                        help="GB of host memory for the tier (default: twice the working set's KV)")
+    parser.add_argument(
+        "--workload",
+        type=int,
+        nargs=6,
+        metavar=("GROUPS", "PER_GROUP", "SYSTEM", "QUESTION", "OUT", "ROUNDS"),
+        help=f"default: {' '.join(map(str, DEFAULT))}",
+    )
+    parser.add_argument(
+        "--hicache-size",
+        type=float,
+        default=None,
+        help="GB of host memory for the tier (default: twice the working set's KV)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model and workload on the CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode (>= 3); figures are medians")
@@ -142,17 +154,24 @@ def main() -> None:
     check_repeats(ns.repeats)
     if ns.smoke:
         from radixserve.testing.tiny_models import tiny_model_dir
+
         model_dir, w = str(tiny_model_dir("llama")), SMOKE
     else:
         if not ns.tokenizer:
             parser.error("--tokenizer is required (or --smoke)")
         from radixserve.testing.tiny_models import dummy_config_dir
+
         model_dir, w = str(dummy_config_dir(ns.config, ns.tokenizer)), Workload(*(ns.workload or DEFAULT))
     config = json.loads(open(f"{model_dir}/config.json").read())
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
-    bytes_per_token = (2 * config["num_hidden_layers"] * config.get("num_key_value_heads", heads) * head_dim
-                       * (2 if ns.device == "cuda" else 4))
+    bytes_per_token = (
+        2
+        * config["num_hidden_layers"]
+        * config.get("num_key_value_heads", heads)
+        * head_dim
+        * (2 if ns.device == "cuda" else 4)
+    )
     host_gb = ns.hicache_size or float(f"{2 * w.working_set * bytes_per_token / 1e9:.3g}")
     pool = w.working_set // 2
     modes = {"without host tier": {}, "with host tier": {"hicache_size": host_gb}}
@@ -164,33 +183,53 @@ def main() -> None:
 
     record = run_record()
     print(f"{record['date']}  {record['command']}  (commit {record['git_commit']})")
-    print(f"{'tiny llama' if ns.smoke else ns.config} (dummy weights) on {record['gpu']}; {w.groups} system prompts "
-          f"x {w.per_group} questions x {w.rounds} rounds, {w.system_len} + {w.question_len} prompt tokens, "
-          f"{w.output_len} out; working set {w.working_set} tokens, device pool {pool} tokens; host tier {host_gb} GB "
-          f"({bytes_per_token} KV bytes per token)", flush=True)
+    print(
+        f"{'tiny llama' if ns.smoke else ns.config} (dummy weights) on {record['gpu']}; {w.groups} system prompts "
+        f"x {w.per_group} questions x {w.rounds} rounds, {w.system_len} + {w.question_len} prompt tokens, "
+        f"{w.output_len} out; working set {w.working_set} tokens, device pool {pool} tokens; host tier {host_gb} GB "
+        f"({bytes_per_token} KV bytes per token)",
+        flush=True,
+    )
     results = {}
     for mode in modes:
         if ns.smoke:
-            results[mode] = row = run_mode(model_dir, w, config["vocab_size"], ns.repeats, True, **engine_args,
-                                           **modes[mode])
+            results[mode] = row = run_mode(
+                model_dir, w, config["vocab_size"], ns.repeats, True, **engine_args, **modes[mode]
+            )
         else:
-            proc = subprocess.run([sys.executable, "-m", "bench.host_tier_bench", *sys.argv[1:], "--only-mode", mode],
-                                  cwd=REPO, capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, "-m", "bench.host_tier_bench", *sys.argv[1:], "--only-mode", mode],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+            )
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
             if proc.returncode or not lines:
                 print(f"{mode}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
                 continue
             results[mode] = row = json.loads(lines[0][4:])
-        print(f"  {mode:18s} " + ", ".join(f"{k} {v['median']:g} (spread {v['spread_pct']:g}%)"
-                                           for k, v in row.items()), flush=True)
+        print(
+            f"  {mode:18s} " + ", ".join(f"{k} {v['median']:g} (spread {v['spread_pct']:g}%)" for k, v in row.items()),
+            flush=True,
+        )
     if len(results) == len(modes):
         on, off = (results[m]["seconds"]["median"] for m in ("with host tier", "without host tier"))
         print(f"  host tier: {off / on:.2f}x median wall time")
     if ns.json_out:
         with open(ns.json_out, "w") as f:
-            json.dump({**record, "config": vars(ns), "workload": w._asdict(), "device_pool_tokens": pool,
-                       "hicache_size_gb": host_gb, "kv_bytes_per_token": bytes_per_token, "results": results},
-                      f, indent=2)
+            json.dump(
+                {
+                    **record,
+                    "config": vars(ns),
+                    "workload": w._asdict(),
+                    "device_pool_tokens": pool,
+                    "hicache_size_gb": host_gb,
+                    "kv_bytes_per_token": bytes_per_token,
+                    "results": results,
+                },
+                f,
+                indent=2,
+            )
     if len(results) != len(modes):
         sys.exit(1)
 

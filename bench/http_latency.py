@@ -28,7 +28,6 @@ from bench.run_record import check_repeats, run_record
 from bench.server_process import start_server
 
 
-
 def first_event_seconds(client: httpx.Client, route: str, body: dict) -> float:
     """Seconds from sending a streamed request to the first SSE event that carries a token; reads the rest."""
     start = time.perf_counter()
@@ -50,15 +49,33 @@ def http_ttfts(model_dir: str, extra: list[str], prompts: list[list[int]], warmu
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
             model = client.get("/v1/models").json()["data"][0]["id"]
-            generate = lambda ids: first_event_seconds(client, "/generate", {  # noqa: E731
-                "input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
-            completions = lambda ids: first_event_seconds(client, "/v1/completions", {  # noqa: E731
-                "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "stream": True})
+            generate = lambda ids: first_event_seconds(  # noqa: E731
+                client,
+                "/generate",
+                {
+                    "input_ids": ids,
+                    "stream": True,
+                    "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                },
+            )
+            completions = lambda ids: first_event_seconds(  # noqa: E731
+                client,
+                "/v1/completions",
+                {
+                    "model": model,
+                    "prompt": ids,
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    "stream": True,
+                },
+            )
             for ids in warmup:
                 generate(ids)
                 completions(ids)
-            times = {"generate": [generate(ids) for ids in prompts[0::2]],
-                     "completions": [completions(ids) for ids in prompts[1::2]]}
+            times = {
+                "generate": [generate(ids) for ids in prompts[0::2]],
+                "completions": [completions(ids) for ids in prompts[1::2]],
+            }
             info = client.get("/server_info").json()
             if not info.get("kv_invariant_ok", True):
                 raise RuntimeError(f"KV invariant broken after the HTTP runs: {info}")
@@ -110,16 +127,20 @@ def main() -> None:
 
     flags = ["--load-format", load_format, "--device", ns.device]
     http = http_ttfts(model_dir, flags, prompts, warmup)
-    engine = engine_ttfts(model_dir, {"load_format": load_format, "device": ns.device}, prompts[: ns.repeats],
-                          warmup)
+    engine = engine_ttfts(model_dir, {"load_format": load_format, "device": ns.device}, prompts[: ns.repeats], warmup)
 
     ms = lambda xs: round(statistics.median(xs) * 1e3, 2)  # noqa: E731
     spread = lambda xs: [round(min(xs) * 1e3, 2), round(max(xs) * 1e3, 2)]  # noqa: E731
     row = {
-        "model": ns.config or ns.model, "device": ns.device, "repeats": ns.repeats,
-        "engine_ttft_ms": ms(engine), "engine_ttft_spread": spread(engine),
-        "http_generate_ttft_ms": ms(http["generate"]), "http_generate_spread": spread(http["generate"]),
-        "http_completions_ttft_ms": ms(http["completions"]), "http_completions_spread": spread(http["completions"]),
+        "model": ns.config or ns.model,
+        "device": ns.device,
+        "repeats": ns.repeats,
+        "engine_ttft_ms": ms(engine),
+        "engine_ttft_spread": spread(engine),
+        "http_generate_ttft_ms": ms(http["generate"]),
+        "http_generate_spread": spread(http["generate"]),
+        "http_completions_ttft_ms": ms(http["completions"]),
+        "http_completions_spread": spread(http["completions"]),
         "front_end_ms (completions - engine)": round(ms(http["completions"]) - ms(engine), 2),
         **run_record(),
     }

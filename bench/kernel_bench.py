@@ -19,7 +19,7 @@ from triton.testing import do_bench
 
 from kernels import reference, triton_attention, triton_elementwise
 
-from bench.check_kernels_gpu import make_paged_batch
+from bench.paged_batch import make_paged_batch
 from bench.run_record import command_line
 
 HQ, HKV, D = 32, 8, 128
@@ -37,6 +37,7 @@ def graph_median_ms(fn):
     latency as much as the GPU.
     """
     from triton.testing import do_bench_cudagraph
+
     fn()  # compile outside the capture
     torch.cuda.synchronize()
     try:
@@ -58,7 +59,7 @@ def measure_ceilings():
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     mm_ms = median_ms(lambda: a @ b)
-    mm_tflops = 2 * 8192 ** 3 / mm_ms / 1e9
+    mm_tflops = 2 * 8192**3 / mm_ms / 1e9
     return copy_tbs, mm_tflops
 
 
@@ -77,20 +78,29 @@ class Report:
             pct = f"{100 * tflops / self.mm_tflops:.0f}% MM"
         row = (name, config, ms, tbs, tflops, pct, target or "")
         self.rows.append(row)
-        print(f"{name:<46} {config:<34} {ms * 1e3:9.1f} us  "
-              f"{(f'{tbs:.2f} TB/s' if tbs else ''):>11} {(f'{tflops:.0f} TF/s' if tflops else ''):>9} "
-              f"{pct:>8}  {target or ''}", flush=True)
+        print(
+            f"{name:<46} {config:<34} {ms * 1e3:9.1f} us  "
+            f"{(f'{tbs:.2f} TB/s' if tbs else ''):>11} {(f'{tflops:.0f} TF/s' if tflops else ''):>9} "
+            f"{pct:>8}  {target or ''}",
+            flush=True,
+        )
         return row
 
     def markdown(self, header):
-        lines = [header, "",
-                 f"Measured ceilings: copy {self.copy_tbs:.2f} TB/s (read + write), bf16 matmul "
-                 f"{self.mm_tflops:.0f} TFLOP/s.", "",
-                 "| kernel / shape | config | time (us) | TB/s | TFLOP/s | of ceiling | target |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = [
+            header,
+            "",
+            f"Measured ceilings: copy {self.copy_tbs:.2f} TB/s (read + write), bf16 matmul "
+            f"{self.mm_tflops:.0f} TFLOP/s.",
+            "",
+            "| kernel / shape | config | time (us) | TB/s | TFLOP/s | of ceiling | target |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for name, config, ms, tbs, tflops, pct, target in self.rows:
-            lines.append(f"| {name} | {config} | {ms * 1e3:.1f} | {f'{tbs:.2f}' if tbs else ''} | "
-                         f"{f'{tflops:.0f}' if tflops else ''} | {pct} | {target} |")
+            lines.append(
+                f"| {name} | {config} | {ms * 1e3:.1f} | {f'{tbs:.2f}' if tbs else ''} | "
+                f"{f'{tflops:.0f}' if tflops else ''} | {pct} | {target} |"
+            )
         return "\n".join(lines) + "\n"
 
 
@@ -104,19 +114,45 @@ def decode_case(report, bsz, ctx, sweep, label, target, contiguous=False):
         b["req_to_token"][b["req_pool_indices"].long(), :ctx] = table
     kv_bytes = 2 * bsz * ctx * HKV * D * DTYPE.itemsize
     o = torch.full_like(b["q"], float("nan"))
-    args = (b["q"], b["k_cache"], b["v_cache"], o, b["req_to_token"], b["req_pool_indices"], b["seq_lens"],
-            D ** -0.5, ctx)
+    args = (
+        b["q"],
+        b["k_cache"],
+        b["v_cache"],
+        o,
+        b["req_to_token"],
+        b["req_pool_indices"],
+        b["seq_lens"],
+        D**-0.5,
+        ctx,
+    )
     layout = "contiguous slots" if contiguous else "scattered slots"
     name = f"decode {label} {layout}"
     default_splits = triton_attention.decode_num_splits(bsz, HKV, ctx, torch.device("cuda"))
-    best = report.add(name, f"default (splits={default_splits})",
-                      median_ms(lambda: triton_attention.decode_attention(*args)), nbytes=kv_bytes)
-    report.add(name, f"default (splits={default_splits}), CUDA graph",
-               graph_median_ms(lambda: triton_attention.decode_attention(*args)), nbytes=kv_bytes, target=target)
+    best = report.add(
+        name,
+        f"default (splits={default_splits})",
+        median_ms(lambda: triton_attention.decode_attention(*args)),
+        nbytes=kv_bytes,
+    )
+    report.add(
+        name,
+        f"default (splits={default_splits}), CUDA graph",
+        graph_median_ms(lambda: triton_attention.decode_attention(*args)),
+        nbytes=kv_bytes,
+        target=target,
+    )
     if not sweep:
         return best
-    for block_n, warps, stages in [(32, 4, 2), (32, 4, 4), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 8, 2),
-                                   (128, 8, 3), (64, 4, 4)]:
+    for block_n, warps, stages in [
+        (32, 4, 2),
+        (32, 4, 4),
+        (64, 4, 3),
+        (64, 8, 2),
+        (64, 8, 3),
+        (128, 8, 2),
+        (128, 8, 3),
+        (64, 4, 4),
+    ]:
         for splits in sorted({default_splits, max(1, default_splits // 2), default_splits * 2}):
             cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
             try:
@@ -135,8 +171,18 @@ def extend_flops(prefix_lens, extend_lens, hq, d):
     return total
 
 
-EXTEND_SWEEP = [(128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 2),
-                (128, 32, 8, 4), (128, 32, 8, 3), (64, 128, 8, 2), (128, 128, 8, 2)]
+EXTEND_SWEEP = [
+    (128, 64, 8, 3),
+    (128, 64, 8, 2),
+    (64, 64, 4, 3),
+    (64, 64, 4, 2),
+    (64, 32, 4, 3),
+    (64, 32, 4, 2),
+    (128, 32, 8, 4),
+    (128, 32, 8, 3),
+    (64, 128, 8, 2),
+    (128, 128, 8, 2),
+]
 SHORT_SWEEP = [(16, 64, 4, 3), (16, 32, 4, 3), (16, 128, 4, 2), (32, 64, 4, 3), (16, 64, 4, 4)]
 
 
@@ -144,12 +190,30 @@ def extend_case(report, prefix_lens, extend_lens, sweep, label, target, configs=
     g = torch.Generator().manual_seed(sum(prefix_lens) + 3)
     b = make_paged_batch(torch, prefix_lens, extend_lens, HQ, HKV, D, DTYPE, "cuda", g, spare_slots=0)
     o = torch.full_like(b["q"], float("nan"))
-    args = (b["q"], b["k"], b["v"], o, b["k_cache"], b["v_cache"], b["req_to_token"], b["req_pool_indices"],
-            b["prefix_lens"], b["extend_lens"], b["extend_start_loc"], D ** -0.5, b["max_extend_len"])
+    args = (
+        b["q"],
+        b["k"],
+        b["v"],
+        o,
+        b["k_cache"],
+        b["v_cache"],
+        b["req_to_token"],
+        b["req_pool_indices"],
+        b["prefix_lens"],
+        b["extend_lens"],
+        b["extend_start_loc"],
+        D**-0.5,
+        b["max_extend_len"],
+    )
     flops = extend_flops(prefix_lens, extend_lens, HQ, D)
     default = triton_attention.extend_config(DTYPE, D, torch.device("cuda"), max(extend_lens))
-    best = report.add(f"extend {label}", "default " + "/".join(str(v) for v in default.values()),
-                      median_ms(lambda: triton_attention.extend_attention(*args)), flops=flops, target=target)
+    best = report.add(
+        f"extend {label}",
+        "default " + "/".join(str(v) for v in default.values()),
+        median_ms(lambda: triton_attention.extend_attention(*args)),
+        flops=flops,
+        target=target,
+    )
     results = {}
     if sweep:
         for bm, bn, warps, stages in configs:
@@ -159,13 +223,15 @@ def extend_case(report, prefix_lens, extend_lens, sweep, label, target, configs=
             except Exception as e:
                 print(f"  {cfg}: {type(e).__name__}")
                 continue
-            results[(bm, bn, warps, stages)] = report.add(f"extend {label}", f"M{bm} N{bn} w{warps} s{stages}", ms,
-                                                          flops=flops)
+            results[(bm, bn, warps, stages)] = report.add(
+                f"extend {label}", f"M{bm} N{bn} w{warps} s{stages}", ms, flops=flops
+            )
     return best, b
 
 
 def sdpa_flash(report, bsz, seq, target):
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
     g = torch.Generator().manual_seed(5)
     q = torch.randn(bsz, HQ, seq, D, generator=g).to("cuda", DTYPE)
     # SDPA's flash backend wants equal head counts: expand K/V outside the timed region.
@@ -193,9 +259,11 @@ def elementwise(report):
     except Exception as e:
         print("torch.compile unavailable:", e)
     nbytes = 4 * tokens * hidden * DTYPE.itemsize  # read x, residual; write out, h (+ weight, negligible)
-    for impl, fn in [("triton", lambda: triton_elementwise.rmsnorm(x, w, 1e-6, res)),
-                     ("torch eager", lambda: reference.rmsnorm(x, w, 1e-6, res)),
-                     ("torch.compile", lambda: compiled["rmsnorm"](x, w, 1e-6, res))]:
+    for impl, fn in [
+        ("triton", lambda: triton_elementwise.rmsnorm(x, w, 1e-6, res)),
+        ("torch eager", lambda: reference.rmsnorm(x, w, 1e-6, res)),
+        ("torch.compile", lambda: compiled["rmsnorm"](x, w, 1e-6, res)),
+    ]:
         try:
             report.add(f"rmsnorm + residual [{tokens}, {hidden}]", impl, median_ms(fn), nbytes=nbytes)
         except Exception as e:
@@ -203,23 +271,27 @@ def elementwise(report):
 
     gate_up = randn(tokens, 2 * inter)
     nbytes = 3 * tokens * inter * DTYPE.itemsize
-    for impl, fn in [("triton", lambda: triton_elementwise.silu_and_mul(gate_up)),
-                     ("torch eager", lambda: reference.silu_and_mul(gate_up)),
-                     ("torch.compile", lambda: compiled["silu_and_mul"](gate_up))]:
+    for impl, fn in [
+        ("triton", lambda: triton_elementwise.silu_and_mul(gate_up)),
+        ("torch eager", lambda: reference.silu_and_mul(gate_up)),
+        ("torch.compile", lambda: compiled["silu_and_mul"](gate_up)),
+    ]:
         try:
             report.add(f"silu_and_mul [{tokens}, 2x{inter}]", impl, median_ms(fn), nbytes=nbytes)
         except Exception as e:
             print(f"  silu_and_mul {impl}: {type(e).__name__}: {e}")
 
     qkv = randn(tokens, (HQ + 2 * HKV) * D)
-    q = qkv[:, :HQ * D].view(tokens, HQ, D)
-    k = qkv[:, HQ * D:(HQ + HKV) * D].view(tokens, HKV, D)
+    q = qkv[:, : HQ * D].view(tokens, HQ, D)
+    k = qkv[:, HQ * D : (HQ + HKV) * D].view(tokens, HKV, D)
     positions = torch.randint(0, 32768, (tokens,), generator=g).to("cuda")
     cos_sin = torch.randn(32768, D, generator=g).to("cuda")
     nbytes = 2 * tokens * (HQ + HKV) * D * DTYPE.itemsize  # q and k read and written in place
-    for impl, fn in [("triton", lambda: triton_elementwise.rope(q, k, positions, cos_sin)),
-                     ("torch eager", lambda: reference.rope(q, k, positions, cos_sin)),
-                     ("torch.compile", lambda: compiled["rope"](q, k, positions, cos_sin))]:
+    for impl, fn in [
+        ("triton", lambda: triton_elementwise.rope(q, k, positions, cos_sin)),
+        ("torch eager", lambda: reference.rope(q, k, positions, cos_sin)),
+        ("torch.compile", lambda: compiled["rope"](q, k, positions, cos_sin)),
+    ]:
         try:
             report.add(f"rope in place, strided q/k [{tokens}, {HQ}+{HKV}, {D}]", impl, median_ms(fn), nbytes=nbytes)
         except Exception as e:
@@ -230,8 +302,10 @@ def elementwise(report):
     k_cache, v_cache = randn(4 * tokens, HKV, D), randn(4 * tokens, HKV, D)
     loc = torch.randperm(4 * tokens, generator=g)[:tokens].to("cuda", torch.int32)
     nbytes = 4 * tokens * HKV * D * DTYPE.itemsize
-    for impl, fn in [("triton", lambda: triton_attention.store_kv(k_new, v_new, k_cache, v_cache, loc)),
-                     ("torch index_put", lambda: reference.store_kv(k_new, v_new, k_cache, v_cache, loc))]:
+    for impl, fn in [
+        ("triton", lambda: triton_attention.store_kv(k_new, v_new, k_cache, v_cache, loc)),
+        ("torch index_put", lambda: reference.store_kv(k_new, v_new, k_cache, v_cache, loc)),
+    ]:
         report.add(f"store_kv scattered [{tokens}, {HKV}, {D}]", impl, median_ms(fn), nbytes=nbytes)
 
 
@@ -266,11 +340,13 @@ def main():
     if not args.skip_elementwise:
         elementwise(report)
 
-    header = (f"# Kernel speed: {torch.cuda.get_device_name()}\n\n"
-              f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, triton {triton.__version__}, "
-              f"`{command_line()}`, {time.time() - started:.0f} s. "
-              f"Shapes: {HQ} query / {HKV} KV heads, head_dim {D}, bf16. "
-              f"Extend vs SDPA flash (8 x 4096 causal): {theirs[2] / ours[2]:.2f}x.")
+    header = (
+        f"# Kernel speed: {torch.cuda.get_device_name()}\n\n"
+        f"{time.strftime('%Y-%m-%d')}, torch {torch.__version__}, triton {triton.__version__}, "
+        f"`{command_line()}`, {time.time() - started:.0f} s. "
+        f"Shapes: {HQ} query / {HKV} KV heads, head_dim {D}, bf16. "
+        f"Extend vs SDPA flash (8 x 4096 causal): {theirs[2] / ours[2]:.2f}x."
+    )
     if args.out:
         with open(args.out, "w") as f:
             f.write(report.markdown(header))

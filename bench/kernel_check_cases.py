@@ -41,6 +41,7 @@ def run_small(check, torch, g, ew):
 
 def run_full(check, torch, g, ew):
     import random
+
     rnd = random.Random(1234)
     heads = [(32, 32), (32, 16), (32, 8), (32, 4)]  # GQA 1, 2, 4, 8
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -48,8 +49,7 @@ def run_full(check, torch, g, ew):
             for hq, hkv in heads:
                 full = dtype == torch.bfloat16 or (hq, hkv) == (32, 8)
                 check.extend(dtype, hq, hkv, d, [0], [4100], "prefill 4100, prefix 0", g)
-                check.extend(dtype, hq, hkv, d, [4000, 0, 1, 2049], [100, 1, 333, 1],
-                             "prefix 4000 + mixed decodes", g)
+                check.extend(dtype, hq, hkv, d, [4000, 0, 1, 2049], [100, 1, 333, 1], "prefix 4000 + mixed decodes", g)
                 check.decode(dtype, hq, hkv, d, [4100], "1 x 4100", g)
                 check.decode(dtype, hq, hkv, d, [rnd.randint(1, 4100) for _ in range(7)] + [1], "8 random <=4100", g)
                 if not full:
@@ -58,8 +58,16 @@ def run_full(check, torch, g, ew):
                 prefixes = [rnd.choice([0, rnd.randint(1, 700)]) for _ in range(b)]
                 extends = [rnd.choice([1, rnd.randint(1, 300)]) for _ in range(b)]
                 check.extend(dtype, hq, hkv, d, prefixes, extends, "64 random mixed", g)
-                check.extend(dtype, hq, hkv, d, [rnd.randint(0, 100) for _ in range(256)],
-                             [rnd.randint(1, 20) for _ in range(256)], "256 small", g)
+                check.extend(
+                    dtype,
+                    hq,
+                    hkv,
+                    d,
+                    [rnd.randint(0, 100) for _ in range(256)],
+                    [rnd.randint(1, 20) for _ in range(256)],
+                    "256 small",
+                    g,
+                )
                 check.decode(dtype, hq, hkv, d, [rnd.randint(1, 700) for _ in range(256)], "256 random <=700", g)
     check.decode(torch.bfloat16, 32, 8, 128, [32768], "1 x 32768", g)
     check.decode(torch.bfloat16, 32, 8, 128, [4099, 5, 1000], "forced splits", g, num_kv_splits=1)
@@ -77,6 +85,7 @@ def run_full(check, torch, g, ew):
 def run_fused(check, torch, g):
     """The kernels that cut a decode layer's launches, at model sizes (Qwen3-8B and -0.6B shapes)."""
     import random
+
     rnd = random.Random(99)
     # fp16 is checked in the interpreter (tests/worker/test_kernels_triton.py)
     for dtype in (torch.bfloat16, torch.float32):
@@ -91,9 +100,11 @@ def run_fused(check, torch, g):
             for n, k in [(6144, 4096), (4096, 4096), (4096, 12288), (4096, 1024), (1024, 2048), (1024, 3072)]:
                 check.skinny(dtype, rows, n, k, g)  # the projections of Qwen3-8B and -0.6B
         for hq, hkv in [(32, 32), (32, 8), (16, 8), (32, 4)]:
-            check.decode_one_launch(dtype, hq, hkv, 128, [rnd.randint(1, 4100) for _ in range(7)] + [1],
-                                    "8 random <=4100", g)
-            check.decode_one_launch(dtype, hq, hkv, 128, [rnd.randint(1, 700) for _ in range(256)],
-                                    "256 random <=700", g)
+            check.decode_one_launch(
+                dtype, hq, hkv, 128, [rnd.randint(1, 4100) for _ in range(7)] + [1], "8 random <=4100", g
+            )
+            check.decode_one_launch(
+                dtype, hq, hkv, 128, [rnd.randint(1, 700) for _ in range(256)], "256 random <=700", g
+            )
     check.decode_one_launch(torch.bfloat16, 32, 8, 128, [32768], "1 x 32768", g)
     check.decode_one_launch(torch.bfloat16, 32, 8, 128, [4099, 5, 1000], "forced splits", g, num_kv_splits=64)

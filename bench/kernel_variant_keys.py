@@ -32,6 +32,7 @@ _binders: dict = {}
 def _cuda_backend():
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
+
     return CUDABackend(GPUTarget("cuda", 90, 32))  # an H100; the specialization rules are not per architecture
 
 
@@ -40,13 +41,19 @@ def _binder(kernel):
     fn = kernel.fn
     if fn not in _binders:
         from triton.runtime.jit import KernelParam, create_function_from_signature
+
         opts = getattr(kernel, "kwargs", None)  # InterpretedFunction keeps triton.jit's arguments here
         dns = (opts or {}).get("do_not_specialize") or getattr(kernel, "do_not_specialize", None) or []
-        dns_oa = ((opts or {}).get("do_not_specialize_on_alignment")
-                  or getattr(kernel, "do_not_specialize_on_alignment", None) or [])
+        dns_oa = (
+            (opts or {}).get("do_not_specialize_on_alignment")
+            or getattr(kernel, "do_not_specialize_on_alignment", None)
+            or []
+        )
         sig = inspect.signature(fn)
-        params = [KernelParam(i, p, i in dns or p.name in dns, i in dns_oa or p.name in dns_oa)
-                  for i, p in enumerate(sig.parameters.values())]
+        params = [
+            KernelParam(i, p, i in dns or p.name in dns, i in dns_oa or p.name in dns_oa)
+            for i, p in enumerate(sig.parameters.values())
+        ]
         _binders[fn] = (create_function_from_signature(sig, params, _cuda_backend()), params)
     return _binders[fn]
 
@@ -74,7 +81,13 @@ def specialization_key(kernel, args, kwargs) -> str:
     return f"{kernel.fn.__name__}({', '.join(parts)}) [{opts}]"
 
 
-ATTENTION_MODULES = ("kernels.triton_attention", "kernels.shared_prefix_attention", "kernels.one_launch_decode")
+# Where the attention kernels are defined (kernel.fn.__module__): the device-side modules beside their launchers.
+ATTENTION_MODULES = (
+    "kernels.triton_attention",
+    "kernels.triton_attention_kernels",
+    "kernels.shared_prefix_kernels",
+    "kernels.one_launch_kernel",
+)
 
 
 def _graph_step(kernel, prefill_graph_max_tokens: int = 2048) -> str | None:
@@ -85,6 +98,7 @@ def _graph_step(kernel, prefill_graph_max_tokens: int = 2048) -> str | None:
     "piece" (a kernel between two attentions of another step of up to that many tokens: piecewise graphs); None:
     launched eagerly (attention in piecewise steps, every kernel of a larger step)."""
     from radixserve.forward_context import get_forward_context
+
     try:
         ctx = get_forward_context()
     except RuntimeError:
@@ -109,12 +123,14 @@ def compile_for_h100(kernel, args, kwargs) -> float:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
     binder, _ = _binder(kernel)
     bound, spec, options = binder(*args, **kwargs)
     opts, signature, constexprs, attrs = kernel._pack_args(_cuda_backend(), kwargs, bound, spec, options)
     start = time.perf_counter()
-    triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32),
-                   options=opts.__dict__)
+    triton.compile(
+        ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=opts.__dict__
+    )
     return time.perf_counter() - start
 
 
@@ -129,8 +145,14 @@ class KernelVariants:
     min_split_tokens: the split policies' shortest slice (scaled down with a CPU-sized workload).
     compile: each new variant is also compiled for sm_90 (compile_for_h100), its seconds kept in compile_seconds."""
 
-    def __init__(self, log_path: str | None = None, shadow: bool = False, h100: bool = False,
-                 min_split_tokens: int | None = None, compile: bool = False):
+    def __init__(
+        self,
+        log_path: str | None = None,
+        shadow: bool = False,
+        h100: bool = False,
+        min_split_tokens: int | None = None,
+        compile: bool = False,
+    ):
         self.first_phase: dict[str, str] = {}  # key -> phase it was first launched in
         self.current = "start"
         self.log_path = log_path
@@ -175,13 +197,16 @@ class KernelVariants:
     def __enter__(self) -> "KernelVariants":
         from triton.runtime.interpreter import InterpretedFunction
         from triton.runtime.jit import JITFunction
+
         for cls in (InterpretedFunction, JITFunction):
+
             def run(kernel, *args, grid, warmup, _original=cls.run, **kwargs):
                 if not warmup:
                     self.record(kernel, args, kwargs)
                 if self.shadow:
                     return None
                 return _original(kernel, *args, grid=grid, warmup=warmup, **kwargs)
+
             self._set(cls, "run", run)
         if self.shadow:
             self._shadow_dispatch()
@@ -193,12 +218,22 @@ class KernelVariants:
         import torch.nn.functional as F
 
         import kernels
-        from kernels import (one_launch_decode, reference, shared_prefix_attention, triton_attention,
-                             triton_elementwise, triton_mlp, triton_qkv, triton_skinny_linear)
+        from kernels import (
+            one_launch_decode,
+            reference,
+            shared_prefix_attention,
+            triton_attention,
+            triton_elementwise,
+            triton_mlp,
+            triton_qkv,
+            triton_skinny_linear,
+        )
+
         twins = {"skinny_linear": lambda x, weight: F.linear(x, weight)}  # ops kernels/reference.py has no twin of
 
         class Shadow:
             """Each op: the Triton wrapper (its launches recorded, not run), then the torch twin (the result)."""
+
             def __init__(self, module):
                 self.module = module
 
@@ -209,16 +244,26 @@ class KernelVariants:
                 def op(*args, **kwargs):
                     getattr(self.module, name)(*args, **kwargs)
                     return (twins.get(name) or getattr(reference, name))(*args, **kwargs)
+
                 return op
 
         self._set(kernels, "_attention_impl", lambda t: Shadow(triton_attention))
         self._set(kernels, "_elementwise_impl", lambda t: Shadow(triton_elementwise))
         self._set(kernels, "_shared_prefix_impl", lambda t: Shadow(shared_prefix_attention))
-        self._set(kernels, "_decode_impl", lambda t: Shadow(one_launch_decode) if kernels.OPTIONS["one_launch_decode"]
-                  else None)
-        fused = type("Fused", (), {"qk_norm_rope_store": staticmethod(triton_qkv.qk_norm_rope_store),
-                                   "gate_up_silu": staticmethod(triton_mlp.gate_up_silu),
-                                   "skinny_linear": staticmethod(triton_skinny_linear.skinny_linear)})
+        self._set(
+            kernels,
+            "_decode_impl",
+            lambda t: Shadow(one_launch_decode) if kernels.OPTIONS["one_launch_decode"] else None,
+        )
+        fused = type(
+            "Fused",
+            (),
+            {
+                "qk_norm_rope_store": staticmethod(triton_qkv.qk_norm_rope_store),
+                "gate_up_silu": staticmethod(triton_mlp.gate_up_silu),
+                "skinny_linear": staticmethod(triton_skinny_linear.skinny_linear),
+            },
+        )
         self._set(kernels, "_fused_impl", lambda t: Shadow(fused))
 
     def _policy(self) -> None:
@@ -226,6 +271,7 @@ class KernelVariants:
 
         from kernels import one_launch_decode as one, shared_prefix_attention as spa, triton_attention as ta, triton_mlp
         from kernels import triton_skinny_linear as skinny
+
         if self.min_split_tokens:
             self._set(ta.DECODE_SPLITS, "min_split_tokens", self.min_split_tokens)
             self._set(spa.PREFIX_SPLITS, "min_split_tokens", self.min_split_tokens)
@@ -244,8 +290,11 @@ class KernelVariants:
         skinny_config, skinny_splits = skinny.skinny_config, skinny.num_splits
         self._set(skinny, "skinny_config", lambda dtype, device: skinny_config(bf16, gpu))
         self._set(skinny, "num_splits", lambda n, k, cfg, device: skinny_splits(n, k, cfg, gpu))
-        self._set(ta, "extend_config",
-                  lambda dtype, d, device, n=None, programs=None: extend_config(bf16, d, gpu, n, programs))
+        self._set(
+            ta,
+            "extend_config",
+            lambda dtype, d, device, n=None, programs=None: extend_config(bf16, d, gpu, n, programs),
+        )
         self._set(spa, "prefix_config", lambda dtype, device, *rows: prefix_config(bf16, gpu, *rows))
 
     def __exit__(self, *exc) -> None:
@@ -271,8 +320,11 @@ def child_env(log_path: str, site: str, **options) -> dict[str, str]:
     that installs the recorder."""
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
         f.write("import bench.kernel_variant_keys\nbench.kernel_variant_keys.install_from_env()\n")
-    return {"PYTHONPATH": os.pathsep.join([site, REPO, os.environ.get("PYTHONPATH", "")]), LOG_ENV: log_path,
-            OPTIONS_ENV: json.dumps(options)}
+    return {
+        "PYTHONPATH": os.pathsep.join([site, REPO, os.environ.get("PYTHONPATH", "")]),
+        LOG_ENV: log_path,
+        OPTIONS_ENV: json.dumps(options),
+    }
 
 
 def read_log(path: str) -> list[dict]:

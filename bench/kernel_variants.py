@@ -32,15 +32,17 @@ from bench.kernel_variant_keys import KernelVariants, LOG_ENV, OPTIONS_ENV, REPO
 
 # ------------------------------------------------------------------------------------------- the W1-shaped CPU audit
 
+
 def audit_workload(groups=4, per_group=4, system_len=40, question_len=6, output_len=16):
     """W1's shape scaled to the tiny CPU model: system prompts x questions, each request its own question tokens."""
     from bench.offline_throughput import Workload
+
     return Workload("W1 audit", groups, per_group, system_len, question_len, output_len)
 
 
 def _flush(engine) -> None:
     scheduler = getattr(engine, "scheduler", None)  # InProcessEngine
-    assert (scheduler.flush_cache() if scheduler is not None else engine.flush_cache())
+    assert scheduler.flush_cache() if scheduler is not None else engine.flush_cache()
 
 
 _rids = itertools.count()
@@ -50,15 +52,16 @@ def generate_in_waves(engine, prompts, output_len: int, wave: int = 0, steps_bet
     """Every prompt to the end (greedy, EOS ignored); wave > 0 queues them `wave` at a time, `steps_between` outputs
     apart, so that prefills and decodes mix in other proportions than when all arrive at once. Returns the tokens."""
     from radixserve.sampling import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
     queue = [(f"audit-{os.getpid()}-{next(_rids)}", p) for p in prompts]
     pending, tokens, polls = set(), 0, 0
     while queue or pending:
         if queue and (not wave or not pending or polls % steps_between == 0):
-            for rid, ids in queue[:wave or len(queue)]:
+            for rid, ids in queue[: wave or len(queue)]:
                 engine._submit(rid, list(ids), params)
                 pending.add(rid)
-            queue = queue[wave or len(queue):]
+            queue = queue[wave or len(queue) :]
         for out in engine._next_outputs():
             tokens += len(out.token_ids) // 4
             if out.finished:
@@ -72,22 +75,30 @@ RUNS = (("warm-up", 0), ("timed 1", 0), ("timed 2", 0), ("waves of 3", 3))
 START = "start-up"  # the engine's construction (model runner, CUDA graphs): listed before the runs, never late
 
 
-def audit(model_dir: str, shared_prefix: bool, in_process: bool, workload=None, runs=RUNS, recorder=None,
-          **engine_args) -> dict:
+def audit(
+    model_dir: str, shared_prefix: bool, in_process: bool, workload=None, runs=RUNS, recorder=None, **engine_args
+) -> dict:
     """Runs the workload once per entry of runs (name, wave size: 0 = all at once), the cache flushed before each;
     returns per run (and for START) the keys it launched first, and the sm_90 compile seconds of each key (with
     recorder compile).
     recorder: KernelVariants options (shadow, h100, min_split_tokens, compile)."""
     from bench.offline_throughput import prompts_for
+
     w = workload or audit_workload()
-    args = dict(device="cpu", kernel_backend="triton", max_total_tokens=8192, max_running_requests=64,
-                shared_prefix_min_tokens=8)
+    args = dict(
+        device="cpu",
+        kernel_backend="triton",
+        max_total_tokens=8192,
+        max_running_requests=64,
+        shared_prefix_min_tokens=8,
+    )
     args.update(engine_args, disable_shared_prefix_attention=not shared_prefix)
     prompts = prompts_for(w, 49152)
     recorder = recorder or {}
     found, seconds = {}, {}
     if in_process:
         from scheduler_service.in_process_engine import InProcessEngine
+
         with KernelVariants(**recorder) as variants:
             engine = InProcessEngine(model_dir, **args)
             engine.scheduler.check_invariant_every_step = True
@@ -99,6 +110,7 @@ def audit(model_dir: str, shared_prefix: bool, in_process: bool, workload=None, 
             found = {START: variants.new_in("start"), **{name: variants.new_in(name) for name, _ in runs}}
         return found, variants.compile_seconds
     from radixserve.engine import Engine
+
     scratch = tempfile.mkdtemp(prefix="kernel-variants-")
     log = os.path.join(scratch, "keys.jsonl")
     saved = {k: os.environ.get(k) for k in ("PYTHONPATH", LOG_ENV, OPTIONS_ENV)}
@@ -127,20 +139,48 @@ def main() -> None:
     parser.add_argument("--in-process", action="store_true", help="InProcessEngine in this process (no workers)")
     parser.add_argument("--modes", default="on,off", help="shared-prefix attention: on, off or both (on,off)")
     parser.add_argument("--model", default="llama", help="tiny model architecture (radixserve.testing.tiny_models)")
-    parser.add_argument("--shape", type=int, nargs=5, metavar=("GROUPS", "PER_GROUP", "SYSTEM", "QUESTION", "OUT"),
-                        default=(4, 4, 40, 6, 16))
-    parser.add_argument("--runs", default="0,0,0,3", help="one run per entry, the first the warm-up: how many "
-                        "requests each queues at a time (0: all at once; another number: another batch makeup)")
-    parser.add_argument("--shadow", action="store_true", help="record launches without running them; the torch "
-                        "twins compute (fast enough for GPU-sized shapes such as --shape 8 16 1024 128 128)")
-    parser.add_argument("--h100", action="store_true", help="block sizes and split counts as for bf16 on an H100; "
-                        "launches an H100 replays from CUDA graphs count as start-up's (captured then)")
-    parser.add_argument("--compile", action="store_true", help="with --shadow: compile every variant for sm_90 "
-                        "(Triton's own ptxas, no GPU) and print its seconds (runs without TRITON_INTERPRET)")
-    parser.add_argument("--min-split-tokens", type=int, help="shortest split of the split policies (scaled down "
-                        "with a small workload, so that split counts change with the batch)")
-    parser.add_argument("--engine-args", default="{}", help="JSON of extra Engine arguments, e.g. "
-                        "'{\"chunked_prefill_size\": 8192, \"shared_prefix_min_tokens\": 512}'")
+    parser.add_argument(
+        "--shape",
+        type=int,
+        nargs=5,
+        metavar=("GROUPS", "PER_GROUP", "SYSTEM", "QUESTION", "OUT"),
+        default=(4, 4, 40, 6, 16),
+    )
+    parser.add_argument(
+        "--runs",
+        default="0,0,0,3",
+        help="one run per entry, the first the warm-up: how many "
+        "requests each queues at a time (0: all at once; another number: another batch makeup)",
+    )
+    parser.add_argument(
+        "--shadow",
+        action="store_true",
+        help="record launches without running them; the torch "
+        "twins compute (fast enough for GPU-sized shapes such as --shape 8 16 1024 128 128)",
+    )
+    parser.add_argument(
+        "--h100",
+        action="store_true",
+        help="block sizes and split counts as for bf16 on an H100; "
+        "launches an H100 replays from CUDA graphs count as start-up's (captured then)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="with --shadow: compile every variant for sm_90 "
+        "(Triton's own ptxas, no GPU) and print its seconds (runs without TRITON_INTERPRET)",
+    )
+    parser.add_argument(
+        "--min-split-tokens",
+        type=int,
+        help="shortest split of the split policies (scaled down "
+        "with a small workload, so that split counts change with the batch)",
+    )
+    parser.add_argument(
+        "--engine-args",
+        default="{}",
+        help='JSON of extra Engine arguments, e.g. \'{"chunked_prefill_size": 8192, "shared_prefix_min_tokens": 512}\'',
+    )
     parser.add_argument("--json-out")
     ns = parser.parse_args()
     if ns.compile and not ns.shadow:
@@ -153,18 +193,31 @@ def main() -> None:
             env["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="kernel-variants-cache-")
         sys.exit(subprocess.call([sys.executable, "-m", "bench.kernel_variants", *sys.argv[1:]], cwd=REPO, env=env))
     from radixserve.testing.tiny_models import tiny_model_dir
+
     model_dir = str(tiny_model_dir(ns.model))
     recorder = dict(shadow=ns.shadow, h100=ns.h100, min_split_tokens=ns.min_split_tokens, compile=ns.compile)
     waves = [int(x) for x in ns.runs.split(",")]
-    runs = [(f"{'warm-up' if i == 0 else f'run {i + 1}'} ({f'waves of {n}' if n else 'all at once'})", n)
-            for i, n in enumerate(waves)]
+    runs = [
+        (f"{'warm-up' if i == 0 else f'run {i + 1}'} ({f'waves of {n}' if n else 'all at once'})", n)
+        for i, n in enumerate(waves)
+    ]
     results = {}
     for mode in [m.strip() for m in ns.modes.split(",")]:
-        found, seconds = audit(model_dir, mode == "on", ns.in_process, audit_workload(*ns.shape), runs, recorder,
-                               **json.loads(ns.engine_args))
+        found, seconds = audit(
+            model_dir,
+            mode == "on",
+            ns.in_process,
+            audit_workload(*ns.shape),
+            runs,
+            recorder,
+            **json.loads(ns.engine_args),
+        )
         results[f"shared prefix {mode}"] = {"keys": found, "compile_seconds": seconds}
-        print(f"\nshared prefix {mode} ({'InProcessEngine' if ns.in_process else 'Engine, worker process'}), "
-              f"workload {list(ns.shape)}, {recorder}:", flush=True)
+        print(
+            f"\nshared prefix {mode} ({'InProcessEngine' if ns.in_process else 'Engine, worker process'}), "
+            f"workload {list(ns.shape)}, {recorder}:",
+            flush=True,
+        )
         for name, keys in found.items():
             print(f"  {name}: {len(keys)} new variant keys")
             for key in keys:
@@ -173,8 +226,9 @@ def main() -> None:
     if ns.json_out:
         with open(ns.json_out, "w") as f:
             json.dump(results, f, indent=2)
-    late = sum(len(keys) for mode in results.values() for name, keys in mode["keys"].items()
-               if name not in (START, runs[0][0]))
+    late = sum(
+        len(keys) for mode in results.values() for name, keys in mode["keys"].items() if name not in (START, runs[0][0])
+    )
     print(f"\n{late} variant keys first launched after the warm-up run")
     sys.exit(1 if late else 0)
 

@@ -23,7 +23,7 @@ import torch
 
 import kernels
 from bench.gpu_timing import capture, kernel_times, launched_kernels, replay_seconds
-from radixserve.config import ModelConfig
+from radixserve.model_config import ModelConfig
 from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
 from radixserve.layers.linear import set_gemm_split_k
 from radixserve.loader import load_dummy
@@ -39,10 +39,11 @@ OPTION_SETS = {
     "fused, no split-K": ({}, False),
     "fused, no split-K, gate/up unfused": (dict(gate_up_silu_max_rows=0), False),
     "fused, no split-K, gate/up fused to 128 rows": (dict(gate_up_silu_max_rows=128), False),
-    "Q/K fused only": (dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=0, skinny_linear_max_rows=0),
-                       True),
-    "Q/K fused, gate/up fused to 16 rows": (dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=16,
-                                                 skinny_linear_max_rows=0), True),
+    "Q/K fused only": (dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=0, skinny_linear_max_rows=0), True),
+    "Q/K fused, gate/up fused to 16 rows": (
+        dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=16, skinny_linear_max_rows=0),
+        True,
+    ),
     "serving's defaults (+ skinny projections)": (dict(one_launch_decode=0), True),
 }
 BATCHES = {"bs1": (1, 0, 1024), "bs16": (16, 0, 1024), "W1": (128, 1024, 128)}  # requests, shared prefix, own
@@ -80,12 +81,12 @@ def decode_step(model, cfg, requests: int, shared: int, own: int, seed=0, device
     cursor = 0
     prefixes = []
     for _ in range(groups):
-        prefixes.append(perm[cursor:cursor + shared])
+        prefixes.append(perm[cursor : cursor + shared])
         cursor += shared
     for r in range(requests):
         if shared:
             table[r, :shared] = torch.from_numpy(prefixes[r // members])
-        table[r, shared:context] = torch.from_numpy(perm[cursor:cursor + own])
+        table[r, shared:context] = torch.from_numpy(perm[cursor : cursor + own])
         cursor += own
     kv_heads = cfg.kv_heads_per_rank(1)
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -96,21 +97,43 @@ def decode_step(model, cfg, requests: int, shared: int, own: int, seed=0, device
     seq_lens = torch.full((requests,), context, dtype=torch.int32)
     decode_groups = None
     if shared:
-        prefix_groups = PrefixGroups(pack_i32([shared] * groups), pack_i32([m * members for m in range(groups)]),
-                                     pack_i32([r // members for r in range(requests)]), pack_i32([shared] * requests))
-        slices = functools.partial(kernels.prefix_slices, num_q_heads=cfg.num_heads, num_kv_heads=kv_heads,
-                                   dtype=torch.bfloat16, device=torch.device(device))
+        prefix_groups = PrefixGroups(
+            pack_i32([shared] * groups),
+            pack_i32([m * members for m in range(groups)]),
+            pack_i32([r // members for r in range(requests)]),
+            pack_i32([shared] * requests),
+        )
+        slices = functools.partial(
+            kernels.prefix_slices,
+            num_q_heads=cfg.num_heads,
+            num_kv_heads=kv_heads,
+            dtype=torch.bfloat16,
+            device=torch.device(device),
+        )
         flat, _, _ = pack_decode_groups(prefix_groups, 0, max(1, requests // 2), requests, slices)
-        decode_groups = DecodeGroups.view(torch.from_numpy(flat).to(device), max(1, requests // 2), requests,
-                                          CONTEXT_LEN, requests, kernels.prefix_slices_bound(CONTEXT_LEN))
+        decode_groups = DecodeGroups.view(
+            torch.from_numpy(flat).to(device),
+            max(1, requests // 2),
+            requests,
+            CONTEXT_LEN,
+            requests,
+            kernels.prefix_slices_bound(CONTEXT_LEN),
+        )
     ints = lambda t: t.to(device)  # noqa: E731
     ctx = ForwardContext(
-        num_extend_reqs=0, num_extend_tokens=0, req_to_token=ints(table),
-        req_pool_indices=ints(torch.arange(requests, dtype=torch.int32)), prefix_lens=ints(seq_lens - 1),
+        num_extend_reqs=0,
+        num_extend_tokens=0,
+        req_to_token=ints(table),
+        req_pool_indices=ints(torch.arange(requests, dtype=torch.int32)),
+        prefix_lens=ints(seq_lens - 1),
         extend_lens=ints(torch.ones(requests, dtype=torch.int32)),
-        extend_start_loc=ints(torch.arange(requests, dtype=torch.int32)), seq_lens=ints(seq_lens),
-        out_cache_loc=ints(table[torch.arange(requests), context - 1].contiguous()), max_extend_len=0,
-        max_seq_len=CONTEXT_LEN, decode_groups=decode_groups)
+        extend_start_loc=ints(torch.arange(requests, dtype=torch.int32)),
+        seq_lens=ints(seq_lens),
+        out_cache_loc=ints(table[torch.arange(requests), context - 1].contiguous()),
+        max_extend_len=0,
+        max_seq_len=CONTEXT_LEN,
+        decode_groups=decode_groups,
+    )
     input_ids = torch.randint(0, cfg.vocab_size, (requests,), generator=torch.Generator().manual_seed(seed)).to(device)
     positions = torch.full((requests,), context - 1, dtype=torch.int64, device=device)
     return ctx, input_ids, positions
@@ -179,12 +202,17 @@ def run(configs, batches, option_sets, lines, breakdown=False):
                     baseline = logits
                 err = ((logits - baseline).norm() / baseline.norm()).item()
                 agree = (logits.argmax(-1) == baseline.argmax(-1)).float().mean().item()
-                results[config, batch, name] = dict(kernels=len(names), names=names, step_ms=seconds * 1e3,
-                                                    logits_rel_err=err, argmax_agree=agree)
-                lines.append(f"| {config} | {batch} | {name} | {len(names)} | {seconds * 1e3:.3f} | {err:.1e} | "
-                             f"{agree:.0%} |")
-                print(f"{config:<11} {batch:<5} {name:<44} {len(names):3d} kernels/layer  step {seconds * 1e3:7.3f} ms"
-                      f"  logits vs unfused {err:.1e}, argmax {agree:.0%}", flush=True)
+                results[config, batch, name] = dict(
+                    kernels=len(names), names=names, step_ms=seconds * 1e3, logits_rel_err=err, argmax_agree=agree
+                )
+                lines.append(
+                    f"| {config} | {batch} | {name} | {len(names)} | {seconds * 1e3:.3f} | {err:.1e} | {agree:.0%} |"
+                )
+                print(
+                    f"{config:<11} {batch:<5} {name:<44} {len(names):3d} kernels/layer  step {seconds * 1e3:7.3f} ms"
+                    f"  logits vs unfused {err:.1e}, argmax {agree:.0%}",
+                    flush=True,
+                )
                 print("    " + ", ".join(n[:60] for n in names), flush=True)
             del ctx
         apply({}, True)
@@ -203,11 +231,15 @@ def main() -> int:
     parser.add_argument("--json-out")
     ns = parser.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
-    lines = [f"# Kernels per decoder layer in a decode step: {torch.cuda.get_device_name()}", "",
-             f"`python -m bench.kernels_per_layer {' '.join(sys.argv[1:])}`, torch {torch.__version__}. "
-             "Step: forward + logits as one CUDA graph replay (median of 20).", "",
-             "| config | batch | options | kernels per layer | step ms | logits rel err vs unfused | argmax agree |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Kernels per decoder layer in a decode step: {torch.cuda.get_device_name()}",
+        "",
+        f"`python -m bench.kernels_per_layer {' '.join(sys.argv[1:])}`, torch {torch.__version__}. "
+        "Step: forward + logits as one CUDA graph replay (median of 20).",
+        "",
+        "| config | batch | options | kernels per layer | step ms | logits rel err vs unfused | argmax agree |",
+        "|---|---|---|---|---|---|---|",
+    ]
     if ns.option_sets[0] != "unfused (before)":
         ns.option_sets.insert(0, "unfused (before)")  # the baseline the others are compared with
     results = run(ns.configs, ns.batches, ns.option_sets, lines, ns.breakdown)

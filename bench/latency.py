@@ -46,8 +46,9 @@ def copy_bandwidth_gbs() -> float:
 
 def weight_bytes(model_dir: str, tp_size: int, dtype_bytes: int = 2) -> float:
     """Bytes of weights one rank reads per decode step (the embedding table is gathered, not read whole)."""
-    from radixserve.config import ModelConfig
+    from radixserve.model_config import ModelConfig
     from radixserve.models.registry import model_class
+
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
@@ -96,8 +97,13 @@ def main() -> None:
     parser.add_argument("--prefix-len", type=int, default=1024, help="cached system prompt of the cache-hit case")
     parser.add_argument("--new-len", type=int, default=128, help="new tokens after it (and the cold prompt's extra)")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="extra Engine/ServerArgs field (value parsed as JSON when it can be)")
+    parser.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra Engine/ServerArgs field (value parsed as JSON when it can be)",
+    )
     parser.add_argument("--json-out")
     ns = parser.parse_args()
     extra = {}
@@ -114,24 +120,34 @@ def main() -> None:
     bandwidth = copy_bandwidth_gbs()
     floor_ms = weight_bytes(model_dir, ns.tp_size) / (bandwidth * 1e9) * 1e3
     with Engine(model_dir, load_format="dummy", device="cuda", tp_size=ns.tp_size, **extra) as engine:
-        one, many, ttft_one_token, ttft_hit, ttft_cold = measure(engine, ns.decode_tokens, ns.prefix_len, ns.new_len,
-                                                                 ns.repeats)
+        one, many, ttft_one_token, ttft_hit, ttft_cold = measure(
+            engine, ns.decode_tokens, ns.prefix_len, ns.new_len, ns.repeats
+        )
 
     ms = lambda xs: round(statistics.median(xs) * 1e3, 2)  # noqa: E731
     spread = lambda xs: [round(min(xs) * 1e3, 2), round(max(xs) * 1e3, 2)]  # noqa: E731
     per_token = [(m - statistics.median(one)) / (ns.decode_tokens - 1) for m in many]
     decode_ms = statistics.median(per_token) * 1e3
     row = {
-        "gpu": gpu, "date": time.strftime("%Y-%m-%d"), "config": ns.config, "tp_size": ns.tp_size, "engine_args": extra,
-        "decode_ms_per_token": round(decode_ms, 3), "decode_tok_per_s": round(1e3 / decode_ms, 1),
+        "gpu": gpu,
+        "date": time.strftime("%Y-%m-%d"),
+        "config": ns.config,
+        "tp_size": ns.tp_size,
+        "engine_args": extra,
+        "decode_ms_per_token": round(decode_ms, 3),
+        "decode_tok_per_s": round(1e3 / decode_ms, 1),
         "decode_ms_spread": [round(min(per_token) * 1e3, 3), round(max(per_token) * 1e3, 3)],
-        "floor_ms_per_token": round(floor_ms, 3), "share_of_floor": round(floor_ms / decode_ms, 3),
-        "copy_bandwidth_gbs": round(bandwidth), "ttft_1_token_ms": ms(ttft_one_token),
+        "floor_ms_per_token": round(floor_ms, 3),
+        "share_of_floor": round(floor_ms / decode_ms, 3),
+        "copy_bandwidth_gbs": round(bandwidth),
+        "ttft_1_token_ms": ms(ttft_one_token),
         "ttft_1_token_spread": spread(ttft_one_token),
         f"ttft_cache_hit_ms ({ns.prefix_len} cached + {ns.new_len} new)": ms(ttft_hit),
         "ttft_cache_hit_spread": spread(ttft_hit),
-        f"ttft_cold_ms ({ns.prefix_len + ns.new_len} tokens)": ms(ttft_cold), "ttft_cold_spread": spread(ttft_cold),
-        "repeats": ns.repeats, "command": command_line(),
+        f"ttft_cold_ms ({ns.prefix_len + ns.new_len} tokens)": ms(ttft_cold),
+        "ttft_cold_spread": spread(ttft_cold),
+        "repeats": ns.repeats,
+        "command": command_line(),
     }
     print(json.dumps(row, indent=1))
     if ns.json_out:

@@ -21,7 +21,8 @@ Figures (long-context.json, long-context.md, decode-vs-context.png):
 - peak_gpu_gb (nvidia-smi, whole device, above the idle baseline) beside its parts: weights, ring buffers, prefill
   workspace, the KV pool; peak_host_gb (MemTotal - MemAvailable above the baseline) beside the host pool.
 Each phase writes the JSON as it ends, so a run cut by a time limit keeps what it measured; --budget-s shortens the
-document (by the quadratic fit's prediction) when the whole run would not fit in it."""
+document (by the quadratic fit's prediction) when the whole run would not fit in it. The ratios, plot and table are
+bench/long_context_report.py's."""
 
 from __future__ import annotations
 
@@ -37,22 +38,40 @@ from pathlib import Path
 
 import numpy as np
 
-SMOKE = dict(config="tiny-qwen3", context=4096, doc_tokens=1400, out_tokens=6, question_tokens=24, hicache_size=0.01,
-             max_total_tokens=300, gpu_prefill_points=[64, 128, 192, 256], decode_points=[400, 800], decode_tokens=4,
-             chunk=256, ring_size=2)
+from bench.long_context_report import add_ratios, markdown, plot
+
+SMOKE = dict(
+    config="tiny-qwen3",
+    context=4096,
+    doc_tokens=1400,
+    out_tokens=6,
+    question_tokens=24,
+    hicache_size=0.01,
+    max_total_tokens=300,
+    gpu_prefill_points=[64, 128, 192, 256],
+    decode_points=[400, 800],
+    decode_tokens=4,
+    chunk=256,
+    ring_size=2,
+)
 
 
 def model_dir(config: str, context: int, out: Path) -> Path:
     """config.json of the shape with YaRN scaled to `context` (Qwen3's recipe: factor over 32768 original positions);
     the tiny Qwen3 for the smoke run."""
     from radixserve.testing.tiny_models import dummy_config_json, tiny_model_dir
+
     if config == "tiny-qwen3":
-        return tiny_model_dir("qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                     "original_max_position_embeddings": 1024})
+        return tiny_model_dir(
+            "qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+        )
     cfg = dummy_config_json(config)
     original = 32768
-    cfg["rope_scaling"] = {"rope_type": "yarn", "factor": max(1.0, context / original),
-                           "original_max_position_embeddings": original}
+    cfg["rope_scaling"] = {
+        "rope_type": "yarn",
+        "factor": max(1.0, context / original),
+        "original_max_position_embeddings": original,
+    }
     cfg["max_position_embeddings"] = context
     path = out / "model"
     path.mkdir(parents=True, exist_ok=True)
@@ -64,6 +83,7 @@ def placeholder_tokenizer(vocab_size: int, out: Path) -> Path:
     """A word-level tokenizer over ids only (no network on the GPU machine): the benchmark sends token ids, and the
     engine needs a tokenizer to detokenize them."""
     from tokenizers import Tokenizer, models, pre_tokenizers
+
     path = out / "tokenizer"
     path.mkdir(parents=True, exist_ok=True)
     tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
@@ -76,6 +96,7 @@ def placeholder_tokenizer(vocab_size: int, out: Path) -> Path:
 def copy_bandwidth(gib: float = 1.0, chunk_mib: int = 256) -> tuple[float, float]:
     """(host -> device, device -> host) GB/s between pinned memory and the GPU, in chunks like the ring's copies."""
     import torch
+
     n = int(gib * (1 << 30))
     host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -87,9 +108,9 @@ def copy_bandwidth(gib: float = 1.0, chunk_mib: int = 256) -> tuple[float, float
             start.record()
             for lo in range(0, n, step):
                 if direction == "h2d":
-                    dev[lo:lo + step].copy_(host[lo:lo + step], non_blocking=True)
+                    dev[lo : lo + step].copy_(host[lo : lo + step], non_blocking=True)
                 else:
-                    host[lo:lo + step].copy_(dev[lo:lo + step], non_blocking=True)
+                    host[lo : lo + step].copy_(dev[lo : lo + step], non_blocking=True)
             end.record()
             end.synchronize()
         result.append(n / (start.elapsed_time(end) / 1e3) / 1e9)
@@ -112,8 +133,11 @@ class MemoryPoller:
     def _gpu(self) -> float:
         if not self.gpu:
             return 0.0
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
-                             capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+            capture_output=True,
+            text=True,
+        ).stdout
         return float(out.strip().splitlines()[0]) * (1 << 20) / 1e9
 
     @staticmethod
@@ -129,8 +153,10 @@ class MemoryPoller:
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join()
-        return {"peak_gpu_gb": round(self.peak_gpu - self.base_gpu, 2),
-                "peak_host_gb": round(self.peak_host - self.base_host, 2)}
+        return {
+            "peak_gpu_gb": round(self.peak_gpu - self.base_gpu, 2),
+            "peak_host_gb": round(self.peak_host - self.base_host, 2),
+        }
 
 
 def shape_bytes(cfg, dtype_bytes: int, ring_size: int, buffer_tokens: int, pool_tokens: int) -> dict:
@@ -138,15 +164,18 @@ def shape_bytes(cfg, dtype_bytes: int, ring_size: int, buffer_tokens: int, pool_
     layer = h * (cfg.num_heads + 2 * cfg.num_kv_heads) * d + cfg.num_heads * d * h + 3 * h * i + 2 * h + 2 * d
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
     kv_token_layer = 2 * cfg.num_kv_heads * d * dtype_bytes
-    return {"weights_gb": (cfg.num_layers * layer + embed + h) * dtype_bytes / 1e9,
-            "ring_gb": ring_size * (buffer_tokens + 1) * kv_token_layer / 1e9,
-            "workspace_gb": 2 * buffer_tokens * h * dtype_bytes / 1e9,
-            "kv_pool_gb": pool_tokens * kv_token_layer * cfg.num_layers / 1e9,
-            "kv_bytes_per_token": kv_token_layer * cfg.num_layers}
+    return {
+        "weights_gb": (cfg.num_layers * layer + embed + h) * dtype_bytes / 1e9,
+        "ring_gb": ring_size * (buffer_tokens + 1) * kv_token_layer / 1e9,
+        "workspace_gb": 2 * buffer_tokens * h * dtype_bytes / 1e9,
+        "kv_pool_gb": pool_tokens * kv_token_layer * cfg.num_layers / 1e9,
+        "kv_bytes_per_token": kv_token_layer * cfg.num_layers,
+    }
 
 
 def timed(engine, prompt, n_out):
     from radixserve.sampling import SamplingParams
+
     t0 = time.perf_counter()
     out = engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=n_out, ignore_eos=True))
     total = time.perf_counter() - t0
@@ -159,7 +188,7 @@ def timed(engine, prompt, n_out):
 def run(ns, out_dir: Path) -> dict:
     import torch
 
-    from radixserve.config import ModelConfig
+    from radixserve.model_config import ModelConfig
     from radixserve.engine import Engine
 
     cuda = ns.device == "cuda"
@@ -167,9 +196,16 @@ def run(ns, out_dir: Path) -> dict:
     mdir = model_dir(ns.config, ns.context, out_dir)
     cfg = ModelConfig.from_dir(mdir)
     tokenizer = ns.tokenizer or (None if ns.config == "tiny-qwen3" else placeholder_tokenizer(cfg.vocab_size, out_dir))
-    res = {"config": ns.config, "device": torch.cuda.get_device_name() if cuda else "cpu", "context": ns.context,
-           "doc_tokens": ns.doc_tokens, "out_tokens": ns.out_tokens, "ring_size": ns.ring_size, "chunk": ns.chunk,
-           "rope_scaling": cfg.rope_scaling}
+    res = {
+        "config": ns.config,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "context": ns.context,
+        "doc_tokens": ns.doc_tokens,
+        "out_tokens": ns.out_tokens,
+        "ring_size": ns.ring_size,
+        "chunk": ns.chunk,
+        "rope_scaling": cfg.rope_scaling,
+    }
     path = out_dir / "long-context.json"
 
     def save():
@@ -178,19 +214,33 @@ def run(ns, out_dir: Path) -> dict:
     if cuda:
         res["h2d_gb_s"], res["d2h_gb_s"] = (round(x, 2) for x in copy_bandwidth())
     dtype_bytes = 2 if cuda else 4
-    res.update({k: round(v, 3) if k.endswith("_gb") else v for k, v in shape_bytes(
-        cfg, dtype_bytes, ns.ring_size, ns.context, ns.max_total_tokens).items()})
+    res.update(
+        {
+            k: round(v, 3) if k.endswith("_gb") else v
+            for k, v in shape_bytes(cfg, dtype_bytes, ns.ring_size, ns.context, ns.max_total_tokens).items()
+        }
+    )
     save()
     poller = MemoryPoller(cuda)
     rng = np.random.default_rng(0)
     vocab = min(cfg.vocab_size, 150000)
     t0 = time.perf_counter()
-    engine = Engine(str(mdir), tokenizer=str(tokenizer) if tokenizer else None, device=ns.device,
-                    load_format="dummy" if ns.config != "tiny-qwen3" else "auto", context_length=ns.context,
-                    max_total_tokens=ns.max_total_tokens, enable_layerwise_offload=True, hicache_size=ns.hicache_size,
-                    layerwise_offload_ring_size=ns.ring_size, layerwise_offload_chunk_size=ns.chunk,
-                    chunked_prefill_size=ns.chunk, max_running_requests=8, cuda_graph_max_bs=8,
-                    disable_prefill_cuda_graph=True)  # (chunks of 8192 tokens run eagerly anyway; saves start-up)
+    engine = Engine(
+        str(mdir),
+        tokenizer=str(tokenizer) if tokenizer else None,
+        device=ns.device,
+        load_format="dummy" if ns.config != "tiny-qwen3" else "auto",
+        context_length=ns.context,
+        max_total_tokens=ns.max_total_tokens,
+        enable_layerwise_offload=True,
+        hicache_size=ns.hicache_size,
+        layerwise_offload_ring_size=ns.ring_size,
+        layerwise_offload_chunk_size=ns.chunk,
+        chunked_prefill_size=ns.chunk,
+        max_running_requests=8,
+        cuda_graph_max_bs=8,
+        disable_prefill_cuda_graph=True,
+    )  # (chunks of 8192 tokens run eagerly anyway; saves start-up)
     res["engine_start_s"] = round(time.perf_counter() - t0, 1)
     try:
         # Warm-up (Triton compiles every kernel variant on its first use): the in-GPU path; the offload path too on
@@ -214,20 +264,28 @@ def run(ns, out_dir: Path) -> dict:
             left = ns.budget_s - (time.perf_counter() - started) - 30
             read_s = res["kv_bytes_per_token"] / ((res.get("h2d_gb_s") or 20.0) * 1e9)  # a decode reads it all
             decodes = ns.out_tokens + len(ns.decode_points) * ns.decode_tokens + 4
-            while doc_tokens > 2 * ns.max_total_tokens and \
-                    1.2 * np.polyval(fit, doc_tokens) + 1.2 * decodes * doc_tokens * read_s > left:
+            while (
+                doc_tokens > 2 * ns.max_total_tokens
+                and 1.2 * np.polyval(fit, doc_tokens) + 1.2 * decodes * doc_tokens * read_s > left
+            ):
                 doc_tokens = int(doc_tokens * 0.9)
             res["doc_tokens"] = doc_tokens
         doc = rng.integers(0, vocab, doc_tokens).tolist()
         out, prefill_s, decode_ms = timed(engine, doc, ns.out_tokens)
-        res.update(offload_prefill_s=round(prefill_s, 3), decode_ms_per_token=round(decode_ms, 3),
-                   gpu_prefill_fit_at_doc_s=round(float(np.polyval(fit, doc_tokens)), 3))
+        res.update(
+            offload_prefill_s=round(prefill_s, 3),
+            decode_ms_per_token=round(decode_ms, 3),
+            gpu_prefill_fit_at_doc_s=round(float(np.polyval(fit, doc_tokens)), 3),
+        )
         res["decode_points"] = {str(doc_tokens): round(decode_ms, 3)}
         save()
         question = rng.integers(0, vocab, ns.question_tokens).tolist()
         follow, ttft, _ = timed(engine, doc + out.token_ids + question, 2)
-        res.update(follow_up_first_token_s=round(ttft, 3), follow_up_cached_tokens=follow.cached_tokens,
-                   follow_up_own_tokens=len(doc) + len(out.token_ids) + len(question) - follow.cached_tokens)
+        res.update(
+            follow_up_first_token_s=round(ttft, 3),
+            follow_up_cached_tokens=follow.cached_tokens,
+            follow_up_own_tokens=len(doc) + len(out.token_ids) + len(question) - follow.cached_tokens,
+        )
         save()
         for n in ns.decode_points:
             if n < doc_tokens:
@@ -235,73 +293,26 @@ def run(ns, out_dir: Path) -> dict:
                 res["decode_points"][str(n)] = round(ms, 3)
                 save()
         info = engine.server_info()
-        res.update({k: info[k] for k in ("long_jobs", "long_steps", "long_max_decode_batch", "kv_invariant_ok",
-                                         "hicache_capacity_tokens", "kv_pool_tokens")})
+        res.update(
+            {
+                k: info[k]
+                for k in (
+                    "long_jobs",
+                    "long_steps",
+                    "long_max_decode_batch",
+                    "kv_invariant_ok",
+                    "hicache_capacity_tokens",
+                    "kv_pool_tokens",
+                )
+            }
+        )
     finally:
         engine.shutdown()
         res.update(poller.stop())
         res["wall_s"] = round(time.perf_counter() - started, 1)
-        finish(res)
+        add_ratios(res)
         save()
     return res
-
-
-def finish(res: dict) -> None:
-    """The ratios the issue asks for, where their inputs were measured."""
-    bw = res.get("h2d_gb_s")
-    per_token = res["kv_bytes_per_token"]
-    if bw and "decode_ms_per_token" in res:
-        res["decode_floor_ms"] = round(res["doc_tokens"] * per_token / (bw * 1e9) * 1e3, 3)
-        res["decode_vs_floor"] = round(res["decode_ms_per_token"] / res["decode_floor_ms"], 3)
-    if "offload_prefill_s" in res:
-        res["prefill_vs_gpu_fit"] = round(res["offload_prefill_s"] / res["gpu_prefill_fit_at_doc_s"], 3)
-    if bw and "follow_up_first_token_s" in res:
-        own = float(np.polyval(res["gpu_prefill_fit"], res["follow_up_own_tokens"]))
-        floor = res["follow_up_cached_tokens"] * per_token / (bw * 1e9) + max(own, 0.0)
-        res["follow_up_floor_s"] = round(floor, 3)
-        res["follow_up_vs_floor"] = round(res["follow_up_first_token_s"] / floor, 3)
-        res["follow_up_vs_doc_prefill"] = round(res["follow_up_first_token_s"] / res["offload_prefill_s"], 4)
-    if "peak_gpu_gb" in res and res.get("weights_gb"):
-        res["gpu_bound_gb"] = round(res["weights_gb"] + res["ring_gb"] + res["workspace_gb"] + res["kv_pool_gb"], 2)
-
-
-def plot(res: dict, png: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no PNG (python -m bench.long_context --plot JSON makes it later)")
-        return False
-    points = sorted((int(k), v) for k, v in res.get("decode_points", {}).items())
-    if not points:
-        return False
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    xs = [p[0] for p in points]
-    ax.plot(xs, [p[1] for p in points], "o-", label="decode, layer-wise offload")
-    if res.get("h2d_gb_s"):
-        grid = np.linspace(0, max(xs) * 1.05, 50)
-        ax.plot(grid, grid * res["kv_bytes_per_token"] / (res["h2d_gb_s"] * 1e9) * 1e3, "--",
-                label=f"PCIe floor (KV bytes / {res['h2d_gb_s']} GB/s host-to-device)")
-    ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("ms per output token")
-    ax.set_title(f"{res['config']} ({res['device']}), ring of {res['ring_size']}")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    return True
-
-
-def markdown(res: dict) -> str:
-    keys = ["device", "config", "context", "doc_tokens", "out_tokens", "h2d_gb_s", "d2h_gb_s", "kv_bytes_per_token",
-            "offload_prefill_s", "gpu_prefill_fit_at_doc_s", "prefill_vs_gpu_fit", "decode_ms_per_token",
-            "decode_floor_ms", "decode_vs_floor", "follow_up_first_token_s", "follow_up_floor_s",
-            "follow_up_vs_floor", "follow_up_vs_doc_prefill", "follow_up_cached_tokens", "peak_gpu_gb",
-            "gpu_bound_gb", "weights_gb", "ring_gb", "workspace_gb", "kv_pool_gb", "peak_host_gb",
-            "hicache_capacity_tokens", "gpu_prefill_s", "decode_points", "kv_invariant_ok", "wall_s"]
-    rows = [f"| {k} | {res[k]} |" for k in keys if k in res]
-    return "# Layer-wise KV offload\n\n| figure | value |\n| --- | --- |\n" + "\n".join(rows) + "\n"
 
 
 def _terminated(*_) -> None:
@@ -322,10 +333,15 @@ def main() -> None:
     p.add_argument("--question-tokens", type=int, default=128)
     p.add_argument("--hicache-size", type=float, default=79.0, help="GB of host KV pool")
     p.add_argument("--max-total-tokens", type=int, default=140000, help="the GPU KV pool (in-GPU prefill points)")
-    p.add_argument("--gpu-prefill-points", type=lambda s: [int(x) for x in s.split(",")],
-                   default=[16384, 32768, 65536, 131072])
-    p.add_argument("--decode-points", type=lambda s: [int(x) for x in s.split(",")], default=[160000, 262144, 393216],
-                   help="shorter contexts decoded through the host (longer than the pool)")
+    p.add_argument(
+        "--gpu-prefill-points", type=lambda s: [int(x) for x in s.split(",")], default=[16384, 32768, 65536, 131072]
+    )
+    p.add_argument(
+        "--decode-points",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[160000, 262144, 393216],
+        help="shorter contexts decoded through the host (longer than the pool)",
+    )
     p.add_argument("--decode-tokens", type=int, default=6, help="output tokens at each shorter decode point")
     p.add_argument("--chunk", type=int, default=8192)
     p.add_argument("--ring-size", type=int, default=2)
@@ -343,6 +359,7 @@ def main() -> None:
             setattr(ns, k, v)
         ns.device = ns.device or "cpu"
     import torch
+
     ns.device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out_dir = Path(ns.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -63,22 +63,31 @@ class Workload(NamedTuple):
 
 def shapes(name: str) -> list[Workload]:
     if name == "smoke":  # tiny, for the CPU: the same code paths, seconds instead of minutes
-        return [Workload("W1 smoke", 2, 4, 64, 8, 8), Workload("random smoke", 8, 1, 0, 72, 8),
-                Workload("group 2", 4, 2, 64, 8, 8), Workload("prefix 32", 2, 4, 32, 8, 8)]
+        return [
+            Workload("W1 smoke", 2, 4, 64, 8, 8),
+            Workload("random smoke", 8, 1, 0, 72, 8),
+            Workload("group 2", 4, 2, 64, 8, 8),
+            Workload("prefix 32", 2, 4, 32, 8, 8),
+        ]
     w1 = [Workload("W1", 8, 16, 1024, 128, 128)]
     sglang = [Workload("SGLang", 64, 16, 2048, 128, 256)]
     random = [Workload("random", 128, 1, 0, 1152, 128)]
-    sweep = ([Workload(f"group {g}", 128 // g, g, 1024, 128, 128) for g in (2, 4, 8, 32)]
-             + [Workload(f"prefix {p}", 8, 16, p, 128, 128) for p in (256, 512, 2048, 4096)])
-    return {"w1": w1, "sglang": sglang, "random": random, "sweep": w1 + sweep,
-            "all": w1 + sglang + random + sweep}[name]
+    sweep = [Workload(f"group {g}", 128 // g, g, 1024, 128, 128) for g in (2, 4, 8, 32)] + [
+        Workload(f"prefix {p}", 8, 16, p, 128, 128) for p in (256, 512, 2048, 4096)
+    ]
+    return {"w1": w1, "sglang": sglang, "random": random, "sweep": w1 + sweep, "all": w1 + sglang + random + sweep}[
+        name
+    ]
 
 
 def prompts_for(w: Workload, vocab: int, seed: int = 0) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     systems = [rng.integers(100, vocab - 100, w.system_len).tolist() for _ in range(w.groups)]
-    prompts = [systems[g] + rng.integers(100, vocab - 100, w.question_len).tolist()
-               for g in range(w.groups) for _ in range(w.per_group)]
+    prompts = [
+        systems[g] + rng.integers(100, vocab - 100, w.question_len).tolist()
+        for g in range(w.groups)
+        for _ in range(w.per_group)
+    ]
     return [prompts[i] for i in rng.permutation(len(prompts))]  # arrivals interleave the groups
 
 
@@ -111,8 +120,12 @@ def triton_compiles() -> int:
 def kernel_names(entries: set[str]) -> list[str]:
     """The kernels of these cache entries (each entry's directory holds <kernel name>.json among its files)."""
     directory = os.environ["TRITON_CACHE_DIR"]
-    return sorted(name[:-5] for entry in entries for name in os.listdir(os.path.join(directory, entry))
-                  if name.endswith(".json") and not name.startswith("__grp__"))
+    return sorted(
+        name[:-5]
+        for entry in entries
+        for name in os.listdir(os.path.join(directory, entry))
+        if name.endswith(".json") and not name.startswith("__grp__")
+    )
 
 
 def timed_run(engine: Engine, prompts, output_len: int) -> dict:
@@ -135,8 +148,9 @@ def timed_run(engine: Engine, prompts, output_len: int) -> dict:
         "prefill_tokens_computed": after["prefill_tokens_computed"] - before["prefill_tokens_computed"],
         "steps": steps,
         "grouped_decodes": after.get("grouped_decodes", 0) - before.get("grouped_decodes", 0),
-        "saved_tokens_per_step": round((after.get("shared_prefix_tokens_saved", 0)
-                                        - before.get("shared_prefix_tokens_saved", 0)) / max(1, steps)),
+        "saved_tokens_per_step": round(
+            (after.get("shared_prefix_tokens_saved", 0) - before.get("shared_prefix_tokens_saved", 0)) / max(1, steps)
+        ),
         # A compile inside a timed run costs it a second or more; a warm engine should show none.
         "triton_compiles": len(triton_cache_entries() - compiled_before),
         "triton_compiled": kernel_names(triton_cache_entries() - compiled_before),
@@ -168,19 +182,28 @@ def median_and_spread(value) -> str:
 def draw_png(path: str, workloads: list[Workload], results: dict, title: str) -> None:
     """Output tokens/s against group size (1,024-token prompts) and against prompt length (groups of 16)."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     by_name = {w.name: w for w in workloads}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     base = next((w for w in workloads if w.name.startswith("W1")), workloads[0])
-    for ax, key, label in ((axes[0], "per_group", "requests per system prompt (group size)"),
-                           (axes[1], "system_len", "system prompt tokens")):
+    for ax, key, label in (
+        (axes[0], "per_group", "requests per system prompt (group size)"),
+        (axes[1], "system_len", "system prompt tokens"),
+    ):
         other = "system_len" if key == "per_group" else "per_group"
-        points = sorted((w for w in by_name.values() if w.system_len and getattr(w, other) == getattr(base, other)
-                         and (w.requests, w.question_len, w.output_len) == (base.requests, base.question_len,
-                                                                            base.output_len)),
-                        key=lambda w: getattr(w, key))
+        points = sorted(
+            (
+                w
+                for w in by_name.values()
+                if w.system_len
+                and getattr(w, other) == getattr(base, other)
+                and (w.requests, w.question_len, w.output_len) == (base.requests, base.question_len, base.output_len)
+            ),
+            key=lambda w: getattr(w, key),
+        )
         for mode, marker in (("shared prefix", "o-"), ("plain decode", "s--")):
             xs, ys, errs = [], [], []
             for w in points:
@@ -191,8 +214,14 @@ def draw_png(path: str, workloads: list[Workload], results: dict, title: str) ->
                     ys.append(t["median"])
                     errs.append([[t["median"] - t["min"]], [t["max"] - t["median"]]])
             if xs:
-                ax.errorbar(xs, ys, yerr=np.concatenate(errs, axis=1), fmt=marker, capsize=3,
-                            label=f"{mode} attention" if mode == "plain decode" else mode)
+                ax.errorbar(
+                    xs,
+                    ys,
+                    yerr=np.concatenate(errs, axis=1),
+                    fmt=marker,
+                    capsize=3,
+                    label=f"{mode} attention" if mode == "plain decode" else mode,
+                )
         ax.set_xscale("log", base=2)
         ax.set_xlabel(label)
         ax.set_ylabel("output tokens/s (median, min-max)")
@@ -208,10 +237,16 @@ def main() -> None:
     parser.add_argument("--config", default="qwen3-0.6b", help="model shape (radixserve/testing/configs)")
     parser.add_argument("--tokenizer", help="tokenizer dir (e.g. the Qwen3 tokenizer); not with --smoke")
     parser.add_argument("--shape", default="w1", choices=["w1", "sglang", "random", "sweep", "all"])
-    parser.add_argument("--custom", type=int, nargs=5, metavar=("GROUPS", "PER_GROUP", "SYSTEM", "QUESTION", "OUT"),
-                        help="one workload of your own instead of --shape (e.g. 8 32 2048 64 128: the earlier default)")
-    parser.add_argument("--modes", default="shared prefix,plain decode",
-                        help=f"comma-separated, of: {', '.join(MODES)}")
+    parser.add_argument(
+        "--custom",
+        type=int,
+        nargs=5,
+        metavar=("GROUPS", "PER_GROUP", "SYSTEM", "QUESTION", "OUT"),
+        help="one workload of your own instead of --shape (e.g. 8 32 2048 64 128: the earlier default)",
+    )
+    parser.add_argument(
+        "--modes", default="shared prefix,plain decode", help=f"comma-separated, of: {', '.join(MODES)}"
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny model and shapes on the CPU")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--max-running-requests", type=int, default=1024)
@@ -224,6 +259,7 @@ def main() -> None:
     check_repeats(ns.repeats)
     if ns.smoke:
         from radixserve.testing.tiny_models import tiny_model_dir
+
         model_dir, workloads, dtype_bytes = str(tiny_model_dir("llama")), shapes("smoke"), 4
         min_tokens = ns.shared_prefix_min_tokens or 16
         extra = {"max_total_tokens": 8192}
@@ -231,6 +267,7 @@ def main() -> None:
         if not ns.tokenizer:
             parser.error("--tokenizer is required (or --smoke)")
         from radixserve.testing.tiny_models import dummy_config_dir
+
         model_dir, workloads = str(dummy_config_dir(ns.config, ns.tokenizer)), shapes(ns.shape)
         if ns.custom:
             workloads = [Workload("custom", *ns.custom)]
@@ -244,8 +281,9 @@ def main() -> None:
         parser.error(f"unknown modes {unknown}; choose from {list(MODES)}")
     if ns.device != "cuda" and "eager" in modes:
         modes.remove("eager")  # the CPU has no CUDA graphs to compare with
-    engine_args = dict(device=ns.device, max_running_requests=ns.max_running_requests,
-                       shared_prefix_min_tokens=min_tokens, **extra)
+    engine_args = dict(
+        device=ns.device, max_running_requests=ns.max_running_requests, shared_prefix_min_tokens=min_tokens, **extra
+    )
     if ns.only_mode:
         rows = run_mode(model_dir, workloads, config["vocab_size"], ns.repeats, **engine_args, **MODES[ns.only_mode])
         print("ROWS " + json.dumps(rows))
@@ -254,41 +292,66 @@ def main() -> None:
     record = run_record()
     bytes_per_token = kv_bytes_per_token(config, dtype_bytes)
     print(f"{record['date']}  {record['command']}  (commit {record['git_commit']})")
-    print(f"{'tiny llama' if ns.smoke else ns.config} (dummy weights) on {record['gpu']}; KV {bytes_per_token} bytes "
-          f"per token; --shared-prefix-min-tokens {min_tokens}", flush=True)
+    print(
+        f"{'tiny llama' if ns.smoke else ns.config} (dummy weights) on {record['gpu']}; KV {bytes_per_token} bytes "
+        f"per token; --shared-prefix-min-tokens {min_tokens}",
+        flush=True,
+    )
     results = {}
     for mode in modes:
-        proc = subprocess.run([sys.executable, "-m", "bench.offline_throughput", *sys.argv[1:], "--only-mode", mode],
-                              cwd=REPO, capture_output=True, text=True)
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.offline_throughput", *sys.argv[1:], "--only-mode", mode],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS ")]
         if proc.returncode or not lines:
             print(f"{mode}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
             continue
         results[mode] = json.loads(lines[0][5:])
     for w in workloads:
-        print(f"\n{w.name}: {w.requests} requests = {w.groups} x {w.per_group}, {w.system_len} + {w.question_len} "
-              f"prompt tokens, {w.output_len} out")
+        print(
+            f"\n{w.name}: {w.requests} requests = {w.groups} x {w.per_group}, {w.system_len} + {w.question_len} "
+            f"prompt tokens, {w.output_len} out"
+        )
         for mode in modes:
             row = results.get(mode, {}).get(w.name)
             if row is None:
                 continue
             model_kv = modelled_kv_read(w, mode == "shared prefix", bytes_per_token, min_tokens)
             saved = row["saved_tokens_per_step"]["median"] * bytes_per_token
-            print(f"  {mode:14s} KV read per decode step (model) {model_kv / 1e6:9.1f} MB, saved (counted) "
-                  f"{saved / 1e6:9.1f} MB | seconds {median_and_spread(row['seconds'])}, output tok/s "
-                  f"{median_and_spread(row['output_tok_per_s'])}, steps {median_and_spread(row['steps'])}, "
-                  f"Triton compiles in the timed runs {row['triton_compiles']['runs']}", flush=True)
+            print(
+                f"  {mode:14s} KV read per decode step (model) {model_kv / 1e6:9.1f} MB, saved (counted) "
+                f"{saved / 1e6:9.1f} MB | seconds {median_and_spread(row['seconds'])}, output tok/s "
+                f"{median_and_spread(row['output_tok_per_s'])}, steps {median_and_spread(row['steps'])}, "
+                f"Triton compiles in the timed runs {row['triton_compiles']['runs']}",
+                flush=True,
+            )
         if "shared prefix" in results and "plain decode" in results and w.name in results["plain decode"]:
             on = results["shared prefix"][w.name]["seconds"]["median"]
             off = results["plain decode"][w.name]["seconds"]["median"]
             print(f"  shared-prefix attention: {off / on:.2f}x median wall time")
     if ns.json_out:
         with open(ns.json_out, "w") as f:
-            json.dump({**record, "config": vars(ns), "kv_bytes_per_token": bytes_per_token,
-                       "workloads": [w._asdict() for w in workloads], "results": results}, f, indent=2)
+            json.dump(
+                {
+                    **record,
+                    "config": vars(ns),
+                    "kv_bytes_per_token": bytes_per_token,
+                    "workloads": [w._asdict() for w in workloads],
+                    "results": results,
+                },
+                f,
+                indent=2,
+            )
     if ns.png:
-        draw_png(ns.png, workloads, results, f"{'tiny llama (CPU smoke)' if ns.smoke else ns.config}, "
-                                             f"{record['gpu']}, {record['date'][:10]}")
+        draw_png(
+            ns.png,
+            workloads,
+            results,
+            f"{'tiny llama (CPU smoke)' if ns.smoke else ns.config}, {record['gpu']}, {record['date'][:10]}",
+        )
         print(f"\nwrote {ns.png}")
     if len(results) != len(modes):
         sys.exit(1)

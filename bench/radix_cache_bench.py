@@ -30,8 +30,9 @@ def percentiles_us(samples: list[float]) -> str:
 
 
 def build_tree(args, rng):
-    system_prompts = [rng.integers(0, VOCAB, rng.integers(300, 2001), dtype=np.int32)
-                      for _ in range(args.num_system_prompts)]
+    system_prompts = [
+        rng.integers(0, VOCAB, rng.integers(300, 2001), dtype=np.int32) for _ in range(args.num_system_prompts)
+    ]
     sequences = []
     for _ in range(args.num_seqs):
         system = system_prompts[rng.integers(len(system_prompts))]
@@ -56,7 +57,7 @@ def make_queries(args, rng, system_prompts, sequences):
             head = sequences[rng.integers(len(sequences))]
         else:  # new conversation under a known system prompt
             head = system_prompts[rng.integers(len(system_prompts))]
-        head = head[:PROMPT_LEN - 1]
+        head = head[: PROMPT_LEN - 1]
         tail = rng.integers(0, VOCAB, PROMPT_LEN - len(head), dtype=np.int32)
         queries.append(np.concatenate([head, tail]))
     return queries
@@ -100,8 +101,10 @@ def main():
         t0 = time.perf_counter()
         freed += cache.evict(PROMPT_LEN)
         evict_t.append(time.perf_counter() - t0)
-    print(f"evict({PROMPT_LEN})           {percentiles_us(evict_t)}   "
-          f"({freed / args.evict_reps:.0f} slots freed per call)")
+    print(
+        f"evict({PROMPT_LEN})           {percentiles_us(evict_t)}   "
+        f"({freed / args.evict_reps:.0f} slots freed per call)"
+    )
 
     alloc_t = []
     for _ in range(args.reps):

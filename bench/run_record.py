@@ -45,10 +45,16 @@ def _git_commit() -> str:
     if os.environ.get("RADIXSERVE_GIT_COMMIT"):  # a tree without .git (a `git archive` sent to a GPU machine)
         return os.environ["RADIXSERVE_GIT_COMMIT"]
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-                                timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return (commit or "unknown") + ("+uncommitted changes" if dirty else "")
@@ -60,12 +66,19 @@ def run_record() -> dict:
 
     try:
         import triton
+
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "gpu": gpu_name(), "command": command_line(), "git_commit": _git_commit(),
-            "torch": torch.__version__, "triton": triton_version, "python": sys.version.split()[0]}
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "gpu": gpu_name(),
+        "command": command_line(),
+        "git_commit": _git_commit(),
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "python": sys.version.split()[0],
+    }
 
 
 def summarize(values: list[float]) -> dict:
@@ -74,8 +87,13 @@ def summarize(values: list[float]) -> dict:
         raise ValueError("no measurements")
     median = statistics.median(values)
     spread = 100.0 * (max(values) - min(values)) / median if median else 0.0
-    return {"median": round(median, 3), "min": round(min(values), 3), "max": round(max(values), 3),
-            "spread_pct": round(spread, 1), "runs": [round(v, 3) for v in values]}
+    return {
+        "median": round(median, 3),
+        "min": round(min(values), 3),
+        "max": round(max(values), 3),
+        "spread_pct": round(spread, 1),
+        "runs": [round(v, 3) for v in values],
+    }
 
 
 def summarize_rows(rows: list[dict]) -> dict:

@@ -53,16 +53,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--disable-overlap-schedule", action="store_true")
-    parser.add_argument("--disable-incremental-decode-batch", action="store_true",
-                        help="rebuild every decode batch from its requests (scheduler_service/decode_batch.py off)")
+    parser.add_argument(
+        "--disable-incremental-decode-batch",
+        action="store_true",
+        help="rebuild every decode batch from its requests (scheduler_service/decode_batch.py off)",
+    )
     parser.add_argument("--profile", action="store_true", help="cProfile the decode steps, print the top functions")
     ns = parser.parse_args()
     rng = np.random.default_rng(0)
-    args = ServerArgs(device="cpu", max_running_requests=ns.running, chunked_prefill_size=1 << 20,
-                      disable_overlap_schedule=ns.disable_overlap_schedule,
-                      disable_incremental_decode_batch=ns.disable_incremental_decode_batch)
-    scheduler = Scheduler(args, num_kv_slots=ns.running * (ns.prompt_len + 2 * ns.steps + 16) + 1024,
-                          context_len=ns.prompt_len + 2 * ns.steps + 64, eos_token_ids=[2])
+    args = ServerArgs(
+        device="cpu",
+        max_running_requests=ns.running,
+        chunked_prefill_size=1 << 20,
+        disable_overlap_schedule=ns.disable_overlap_schedule,
+        disable_incremental_decode_batch=ns.disable_incremental_decode_batch,
+    )
+    scheduler = Scheduler(
+        args,
+        num_kv_slots=ns.running * (ns.prompt_len + 2 * ns.steps + 16) + 1024,
+        context_len=ns.prompt_len + 2 * ns.steps + 64,
+        eos_token_ids=[2],
+    )
     loop = make_step_loop(scheduler, RandomTokens())
     encoder = msgspec.msgpack.Encoder()
     system = rng.integers(10, 1000, ns.prompt_len - 64).tolist()
@@ -99,11 +110,15 @@ def main() -> None:
     assert len(scheduler.running) == ns.running
     scheduler.check_invariant()
     med, med_out = statistics.median(step_us), statistics.median(output_us)
-    print(f"admission of {ns.running} requests ({ns.prompt_len}-token prompts sharing {ns.prompt_len - 64} tokens): "
-          f"{admit_ms:.1f} ms in {admitted_steps} steps")
-    print(f"decode step with {ns.running} running ({'serial' if ns.disable_overlap_schedule else 'overlapped'} "
-          f"loop): {med:.0f} us of CPU time median over {ns.steps} steps, p10 {np.percentile(step_us, 10):.0f} us, "
-          f"p90 {np.percentile(step_us, 90):.0f} us (target <= 300 us); of which output messages {med_out:.0f} us")
+    print(
+        f"admission of {ns.running} requests ({ns.prompt_len}-token prompts sharing {ns.prompt_len - 64} tokens): "
+        f"{admit_ms:.1f} ms in {admitted_steps} steps"
+    )
+    print(
+        f"decode step with {ns.running} running ({'serial' if ns.disable_overlap_schedule else 'overlapped'} "
+        f"loop): {med:.0f} us of CPU time median over {ns.steps} steps, p10 {np.percentile(step_us, 10):.0f} us, "
+        f"p90 {np.percentile(step_us, 90):.0f} us (target <= 300 us); of which output messages {med_out:.0f} us"
+    )
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
 

@@ -104,8 +104,9 @@ def shape_part(part: str, tokenizer: str, repeats: int, card: dict) -> None:
     model_dir = str(dummy_config_dir(SHAPES[part], tokenizer))
     gsp = GSP[part]
     profile_dir = Path(tempfile.mkdtemp(prefix="radixserve-scorecard-profile-"))
-    os.environ.update(RADIXSERVE_PROFILE_DIR=str(profile_dir), RADIXSERVE_PROFILE_TRIGGER="1",
-                      RADIXSERVE_PROFILE_STEPS="30")
+    os.environ.update(
+        RADIXSERVE_PROFILE_DIR=str(profile_dir), RADIXSERVE_PROFILE_TRIGGER="1", RADIXSERVE_PROFILE_STEPS="30"
+    )
     common = dict(load_format="dummy", device="cuda", max_running_requests=1024)
     start = time.perf_counter()
     try:
@@ -119,8 +120,9 @@ def shape_part(part: str, tokenizer: str, repeats: int, card: dict) -> None:
             put(card, f"ttft_cold_ms_{part}", ttft_cold, 1e3, 2)
             w1 = workload_seconds(engine, W1, repeats, card, f"w1_s_{part}")
             put(card, f"w1_s_{part}", w1)
-            put(card, f"gpu_busy_w1_{part}", gpu_busy_in_decode(engine, W1, profile_dir, statistics.median(w1),
-                                                                repeats))
+            put(
+                card, f"gpu_busy_w1_{part}", gpu_busy_in_decode(engine, W1, profile_dir, statistics.median(w1), repeats)
+            )
             put(card, f"gsp_s_{part}", workload_seconds(engine, gsp, repeats, card, f"gsp_s_{part}"))
             if part == "06b":
                 p50, p99 = engine_burst_seconds(engine, repeats)
@@ -142,8 +144,7 @@ def serve_part(tokenizer: str, repeats: int, card: dict) -> None:
     from bench.serving_bench import run_load, workload
 
     model_dir = str(dummy_config_dir(SHAPES["06b"], tokenizer))
-    load = argparse.Namespace(requests=512, concurrency=128, groups=8, system_len=2048, question_len=64,
-                              output_len=128)
+    load = argparse.Namespace(requests=512, concurrency=128, groups=8, system_len=2048, question_len=64, output_len=128)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompts = workload(load, vocab)
     for mode, flags in {"": [], "plain_": ["--disable-shared-prefix-attention"]}.items():
@@ -164,6 +165,7 @@ def serve_part(tokenizer: str, repeats: int, card: dict) -> None:
         put(card, f"serve_{mode}itl_ms", [r["itl_mean_ms"] for r in runs], 1, 2)
         put(card, f"serve_{mode}output_tok_s", [r["output_tok_per_s"] for r in runs], 1, 0)
     from radixserve.sampling import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_new_tokens=load.output_len, ignore_eos=True)
     with Engine(model_dir, load_format="dummy", device="cuda", max_running_requests=load.concurrency) as engine:
         engine.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))  # warm-up
@@ -186,9 +188,19 @@ def burst_part(tokenizer: str, repeats: int, card: dict) -> None:
     from bench.ttft_under_load import run_mode, system_prompts
     from radixserve.tokenizer_loading import load_tokenizer
 
-    ns = argparse.Namespace(device="cuda", load_format="dummy", tokenizer=tokenizer, config=SHAPES["06b"],
-                            server_flags="", seed=0, client_procs=4, shared_client=False, max_tokens=64,
-                            requests=128, repeats=repeats)
+    ns = argparse.Namespace(
+        device="cuda",
+        load_format="dummy",
+        tokenizer=tokenizer,
+        config=SHAPES["06b"],
+        server_flags="",
+        seed=0,
+        client_procs=4,
+        shared_client=False,
+        max_tokens=64,
+        requests=128,
+        repeats=repeats,
+    )
     prompts = system_prompts(load_tokenizer(tokenizer), 8, 1520, 0)
     with multiprocessing.get_context("spawn").Pool(ns.client_procs) as pool:
         result = run_mode("pieces", str(dummy_config_dir(SHAPES["06b"], tokenizer)), ns, prompts, pool)
@@ -201,9 +213,11 @@ def fidelity_part(card: dict) -> None:
     with HF fp32 teacher forcing (256 chat prompts x 64 tokens)."""
     import subprocess
     import sys
+
     out = Path(tempfile.mkdtemp()) / "fidelity.json"
-    subprocess.run([sys.executable, "-m", "bench.fidelity", "--device", "cuda", "--modes", "bfloat16",
-                    "--out", str(out)], cwd=REPO)  # (exits 1 below the bar: the figures say so)
+    subprocess.run(
+        [sys.executable, "-m", "bench.fidelity", "--device", "cuda", "--modes", "bfloat16", "--out", str(out)], cwd=REPO
+    )  # (exits 1 below the bar: the figures say so)
     rows = json.loads(out.read_text())["results"]
     card["fidelity_bf16_top1"] = round(rows["radixserve bfloat16"]["top1_agreement"], 5)
     card["fidelity_bf16_hf_top1"] = round(rows["HF transformers bfloat16 (reference bar)"]["top1_agreement"], 5)

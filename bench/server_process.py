@@ -16,8 +16,9 @@ from radixserve.runtime.launcher import free_port
 REPO = Path(__file__).resolve().parents[1]
 
 
-def start_server(model_dir: str, flags: list[str], log_prefix: str = "radixserve-bench-",
-                 timeout_s: float = 600) -> tuple[subprocess.Popen, str, Path]:
+def start_server(
+    model_dir: str, flags: list[str], log_prefix: str = "radixserve-bench-", timeout_s: float = 600
+) -> tuple[subprocess.Popen, str, Path]:
     """(process, base URL, log file) of a healthy server started with `--model model_dir --port <free> *flags`."""
     port = free_port()
     log = Path(tempfile.mkstemp(prefix=log_prefix, suffix=".log")[1])

@@ -28,20 +28,25 @@ from bench.server_process import start_server
 from bench.run_record import check_repeats, run_record, summarize_rows
 
 
-
-
 def workload(ns, vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(0)
     systems = [rng.integers(100, vocab - 100, ns.system_len).tolist() for _ in range(ns.groups)]
-    prompts = [systems[i % ns.groups] + rng.integers(100, vocab - 100, ns.question_len).tolist()
-               for i in range(ns.requests)]
+    prompts = [
+        systems[i % ns.groups] + rng.integers(100, vocab - 100, ns.question_len).tolist() for i in range(ns.requests)
+    ]
     return [prompts[i] for i in rng.permutation(len(prompts))]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
-                      output_len: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], output_len: int) -> dict:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     token_times, usage = [], None
     async with session.post(f"{url}/v1/completions", json=body) as response:
@@ -67,6 +72,7 @@ async def run_load(url: str, prompts: list[list[int]], output_len: int, concurre
     gate = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+
         async def guarded(p):
             async with gate:
                 return await one_request(session, url, model, p, output_len)
@@ -112,13 +118,17 @@ def main() -> None:
     model_dir = str(dummy_config_dir(ns.config, ns.tokenizer))
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     prompts = workload(ns, vocab)
-    print(f"{ns.config} (dummy weights): {ns.requests} streamed requests, {ns.concurrency} concurrent clients, "
-          f"{ns.groups} system prompts of {ns.system_len} tokens + {ns.question_len}-token questions, "
-          f"{ns.output_len} output tokens each", flush=True)
+    print(
+        f"{ns.config} (dummy weights): {ns.requests} streamed requests, {ns.concurrency} concurrent clients, "
+        f"{ns.groups} system prompts of {ns.system_len} tokens + {ns.question_len}-token questions, "
+        f"{ns.output_len} output tokens each",
+        flush=True,
+    )
     rows = {}
     for mode, flags in {"radix cache": [], "no cache": ["--disable-radix-cache"]}.items():
-        server, url, log = start_server(model_dir, ["--load-format", "dummy", *flags, *ns.server_args.split()],
-                                        "radixserve-serving-bench-")
+        server, url, log = start_server(
+            model_dir, ["--load-format", "dummy", *flags, *ns.server_args.split()], "radixserve-serving-bench-"
+        )
         try:
             # Warm-up on the same prompts: every Triton kernel variant gets compiled before the clock starts.
             asyncio.run(run_load(url, prompts, 4, ns.concurrency))
@@ -133,9 +143,14 @@ def main() -> None:
             server.send_signal(signal.SIGTERM)
             server.wait(timeout=30)
             log.unlink(missing_ok=True)
-        print(f"{mode:12s} " + ", ".join(
-            f"{k} {v['median']:g} (spread {v['spread_pct']:g}%)" if isinstance(v, dict) else f"{k} {v}"
-            for k, v in rows[mode].items()), flush=True)
+        print(
+            f"{mode:12s} "
+            + ", ".join(
+                f"{k} {v['median']:g} (spread {v['spread_pct']:g}%)" if isinstance(v, dict) else f"{k} {v}"
+                for k, v in rows[mode].items()
+            ),
+            flush=True,
+        )
     if ns.json_out:
         Path(ns.json_out).write_text(json.dumps({**record, "args": vars(ns), "results": rows}, indent=2))
 

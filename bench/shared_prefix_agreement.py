@@ -56,6 +56,7 @@ def main() -> None:
     ns = parser.parse_args()
     if ns.smoke:
         from radixserve.testing.tiny_models import tiny_model_dir
+
         model_dir = str(tiny_model_dir("llama"))
         ns.groups, ns.per_group, ns.system_len, ns.question_len, ns.new_tokens = 2, 4, 48, 8, 8
         engine_args = {"device": "cpu", "shared_prefix_min_tokens": 16}
@@ -64,22 +65,33 @@ def main() -> None:
         if not ns.tokenizer:
             parser.error("--tokenizer is required (or --smoke)")
         from radixserve.testing.tiny_models import dummy_config_dir
+
         model_dir = str(dummy_config_dir(ns.config, ns.tokenizer))
         engine_args = {"device": "cuda" if torch.cuda.is_available() else "cpu", "load_format": "dummy"}
     vocab = json.loads(open(f"{model_dir}/config.json").read())["vocab_size"]
     rng = np.random.default_rng(0)
     systems = [rng.integers(100, vocab - 100, ns.system_len).tolist() for _ in range(ns.groups)]
-    prompts = [systems[g] + rng.integers(100, vocab - 100, ns.question_len).tolist()
-               for g in range(ns.groups) for _ in range(ns.per_group)]
+    prompts = [
+        systems[g] + rng.integers(100, vocab - 100, ns.question_len).tolist()
+        for g in range(ns.groups)
+        for _ in range(ns.per_group)
+    ]
     grouped = run(model_dir, prompts, ns.new_tokens, **engine_args)
     plain = run(model_dir, prompts, ns.new_tokens, disable_shared_prefix_attention=True, **engine_args)
     top1, identical = agreement(grouped, plain)
     record = run_record()
-    row = {**record, "requests": len(prompts), "new_tokens": ns.new_tokens, "top1_agreement": round(top1, 5),
-           "identical_outputs": round(identical, 5)}
+    row = {
+        **record,
+        "requests": len(prompts),
+        "new_tokens": ns.new_tokens,
+        "top1_agreement": round(top1, 5),
+        "identical_outputs": round(identical, 5),
+    }
     print(f"{record['date']}  {record['command']}  ({record['gpu']})")
-    print(f"{len(prompts)} requests ({ns.groups} x {ns.per_group}, {ns.system_len} + {ns.question_len} tokens, "
-          f"{ns.new_tokens} out): top-1 agreement {top1:.2%}, identical outputs {identical:.2%}")
+    print(
+        f"{len(prompts)} requests ({ns.groups} x {ns.per_group}, {ns.system_len} + {ns.question_len} tokens, "
+        f"{ns.new_tokens} out): top-1 agreement {top1:.2%}, identical outputs {identical:.2%}"
+    )
     if ns.json_out:
         with open(ns.json_out, "w") as f:
             json.dump(row, f, indent=2)

@@ -12,8 +12,7 @@ import torch
 BYTES_PER_ELEMENT = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4}
 
 
-def make_grouped_batch(groups, ungrouped, hq, hkv, d, dtype, device, generator, prefix_row="member",
-                       pad_groups=0):
+def make_grouped_batch(groups, ungrouped, hq, hkv, d, dtype, device, generator, prefix_row="member", pad_groups=0):
     """groups: [(prefix_len, [own_len of each member])]; ungrouped: [seq_len]. own_len >= 1 (the new token).
 
     prefix_row "member": a group's prefix is read through its first member's row; "other": through a
@@ -28,24 +27,24 @@ def make_grouped_batch(groups, ungrouped, hq, hkv, d, dtype, device, generator, 
     num_slots = sum(p for p, _ in groups) + sum(own for _, _, own in reqs) + 64
     num_rows = bsz + len(groups) + 3
     table = torch.randint(0, num_slots, (num_rows, max(seq_lens) + 7), generator=g, dtype=torch.int32)
-    rows = torch.randperm(num_rows, generator=g)[:bsz + len(groups)].tolist()
+    rows = torch.randperm(num_rows, generator=g)[: bsz + len(groups)].tolist()
     slots = torch.randperm(num_slots, generator=g).to(torch.int32)
     cursor = 0
 
     def take(n):
         nonlocal cursor
         cursor += n
-        return slots[cursor - n:cursor]
+        return slots[cursor - n : cursor]
 
     prefix_slots = [take(p) for p, _ in groups]
     for gi, p in enumerate(prefix_slots):
-        table[rows[bsz + gi], :len(p)] = p
+        table[rows[bsz + gi], : len(p)] = p
     members = [[] for _ in groups]
     for b, (gi, p, own) in enumerate(reqs):
         if gi >= 0:
             table[rows[b], :p] = prefix_slots[gi]
             members[gi].append(b)
-        table[rows[b], p:p + own] = take(own)
+        table[rows[b], p : p + own] = take(own)
     prefix_rows = [rows[m[0]] if prefix_row == "member" else rows[bsz + gi] for gi, m in enumerate(members)]
     starts = [0]
     for m in members:
@@ -53,7 +52,7 @@ def make_grouped_batch(groups, ungrouped, hq, hkv, d, dtype, device, generator, 
     starts += [starts[-1]] * pad_groups  # empty groups, as a CUDA-graph-padded table has
 
     dev_gen = torch.Generator(device=device)
-    dev_gen.manual_seed(int(torch.randint(0, 2 ** 62, (1,), generator=g)))
+    dev_gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
 
     def randn(*shape):
         return torch.randn(*shape, generator=dev_gen, device=device).to(dtype)
@@ -62,14 +61,22 @@ def make_grouped_batch(groups, ungrouped, hq, hkv, d, dtype, device, generator, 
         return torch.tensor(values, dtype=torch.int32, device=device)
 
     return dict(
-        q=randn(bsz, hq, d), k_cache=randn(num_slots, hkv, d), v_cache=randn(num_slots, hkv, d),
-        req_to_token=table.to(device), req_pool_indices=ints(rows[:bsz]), seq_lens=ints(seq_lens),
+        q=randn(bsz, hq, d),
+        k_cache=randn(num_slots, hkv, d),
+        v_cache=randn(num_slots, hkv, d),
+        req_to_token=table.to(device),
+        req_pool_indices=ints(rows[:bsz]),
+        seq_lens=ints(seq_lens),
         group_prefix_lens=ints([p for p, _ in groups] + [0] * pad_groups),
         group_prefix_rows=ints(prefix_rows + [0] * pad_groups),
-        group_member_start=ints(starts), group_members=ints([b for m in members for b in m]),
-        req_group=ints([gi for gi, _, _ in reqs]), req_suffix_start=ints([p for _, p, _ in reqs]),
-        max_seq_len=max(seq_lens), max_prefix_len=max([p for p, _ in groups] + [1]),
-        max_group_size=max([len(m) for m in members] + [1]))
+        group_member_start=ints(starts),
+        group_members=ints([b for m in members for b in m]),
+        req_group=ints([gi for gi, _, _ in reqs]),
+        req_suffix_start=ints([p for _, p, _ in reqs]),
+        max_seq_len=max(seq_lens),
+        max_prefix_len=max([p for p, _ in groups] + [1]),
+        max_group_size=max([len(m) for m in members] + [1]),
+    )
 
 
 def plain_args(b):
@@ -84,10 +91,25 @@ def run_grouped(impl, b, o, **splits):
     if "prefix_splits" in inspect.signature(impl.decode_attention_grouped).parameters:
         splits = {**b.get("slicing", {}), **splits}  # the split kernels take the step's slicing from the table
     impl.decode_attention_grouped(
-        b["q"], b["k_cache"], b["v_cache"], o, b["req_to_token"], b["req_pool_indices"], b["seq_lens"],
-        b["group_prefix_lens"], b["group_prefix_rows"], b["group_member_start"], b["group_members"], b["req_group"],
-        b["req_suffix_start"], b["q"].shape[-1] ** -0.5, b["max_seq_len"], b["max_prefix_len"], b["max_group_size"],
-        **splits)
+        b["q"],
+        b["k_cache"],
+        b["v_cache"],
+        o,
+        b["req_to_token"],
+        b["req_pool_indices"],
+        b["seq_lens"],
+        b["group_prefix_lens"],
+        b["group_prefix_rows"],
+        b["group_member_start"],
+        b["group_members"],
+        b["req_group"],
+        b["req_suffix_start"],
+        b["q"].shape[-1] ** -0.5,
+        b["max_seq_len"],
+        b["max_prefix_len"],
+        b["max_group_size"],
+        **splits,
+    )
 
 
 def rel_err(out, ref):
@@ -123,21 +145,36 @@ def graph_padded(b, context_len, num_groups):
     slices per prefix chosen from the real groups (as forward_context.pack_decode_groups does) under the graph's
     bound."""
     from kernels import shared_prefix_attention
+
     real_groups = b["group_prefix_lens"].shape[0]
-    slices = shared_prefix_attention.prefix_slices(real_groups, b["max_group_size"], b["max_prefix_len"],
-                                                   b["q"].shape[1], b["k_cache"].shape[1], b["q"].dtype,
-                                                   b["q"].device)
-    slicing = dict(num_prefix_splits=shared_prefix_attention.prefix_slices_bound(context_len),
-                   prefix_splits=torch.tensor([slices], dtype=torch.int32, device=b["q"].device))
+    slices = shared_prefix_attention.prefix_slices(
+        real_groups,
+        b["max_group_size"],
+        b["max_prefix_len"],
+        b["q"].shape[1],
+        b["k_cache"].shape[1],
+        b["q"].dtype,
+        b["q"].device,
+    )
+    slicing = dict(
+        num_prefix_splits=shared_prefix_attention.prefix_slices_bound(context_len),
+        prefix_splits=torch.tensor([slices], dtype=torch.int32, device=b["q"].device),
+    )
     pad = num_groups - b["group_prefix_lens"].shape[0]
     assert pad >= 0
     device = b["q"].device
     zeros = torch.zeros(pad, dtype=torch.int32, device=device)
     start = b["group_member_start"]
-    return dict(b, group_prefix_lens=torch.cat([b["group_prefix_lens"], zeros]),
-                group_prefix_rows=torch.cat([b["group_prefix_rows"], zeros]),
-                group_member_start=torch.cat([start, start[-1:].expand(pad)]),
-                max_seq_len=context_len, max_prefix_len=context_len, max_group_size=b["q"].shape[0], slicing=slicing)
+    return dict(
+        b,
+        group_prefix_lens=torch.cat([b["group_prefix_lens"], zeros]),
+        group_prefix_rows=torch.cat([b["group_prefix_rows"], zeros]),
+        group_member_start=torch.cat([start, start[-1:].expand(pad)]),
+        max_seq_len=context_len,
+        max_prefix_len=context_len,
+        max_group_size=b["q"].shape[0],
+        slicing=slicing,
+    )
 
 
 def layer_copies(b, layers, generator_seed=0):

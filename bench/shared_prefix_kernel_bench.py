@@ -15,7 +15,8 @@ Bandwidth: on the W1 geometry (8 prefixes of 1,024 tokens x 16 members, 128 own 
 torch profiler gives each kernel's time. A kernel's must-read bytes: each prefix once (prefix kernel), the own tokens
 (suffix kernel), both (one launch), every context (plain kernels; their share can pass 100% as members' shared
 prefix rows come from L2). "padded": the group table and bounds as a decode CUDA graph passes them (bs // 2 groups,
-the context length, the batch size), which is what serving runs.
+the context length, the batch size), which is what serving runs. The checks are in
+bench/shared_prefix_kernel_checks.py.
 """
 
 import argparse
@@ -31,82 +32,21 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from bench.shared_prefix_batches import (graph_padded, kv_bytes, layer_copies, make_grouped_batch,  # noqa: E402,F401
-                                         own_bytes, prefix_bytes, rel_err, run_grouped, run_plain)
+from bench.shared_prefix_batches import (  # noqa: E402,F401
+    graph_padded,
+    kv_bytes,
+    layer_copies,
+    make_grouped_batch,
+    own_bytes,
+    prefix_bytes,
+    rel_err,
+    run_grouped,
+    run_plain,
+)
+from bench.shared_prefix_kernel_checks import DEVICE, run_checks  # noqa: E402
 
-TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 1e-2, torch.float32: 1e-4}
 GEOMETRIES = {"W1": (8, 16, 1024, 128), "gsp": (8, 16, 2048, 128)}  # groups, members, prefix, own tokens
 CONTEXT_LEN = 40960  # Qwen3's: the bound a decode CUDA graph is captured with
-
-
-def check_case(rows, impl, plain, reference, dtype, hq, hkv, d, groups, ungrouped, case, g, forced=None,
-               graph_groups=None, **layout):
-    """Grouped (impl) vs the plain decode kernel, both writing fp32; vs the fp32 reference when it fits. forced:
-    keyword arguments of impl.decode_attention_grouped that override its policy (split counts, programs).
-    graph_groups: the grouped call gets the table and bounds a decode CUDA graph of that many groups passes."""
-    b = make_grouped_batch(groups, ungrouped, hq, hkv, d, dtype, b_device(), g, **layout)
-    out = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=b["q"].device)
-    run_grouped(impl, graph_padded(b, 4 * b["max_seq_len"], graph_groups) if graph_groups else b, out,
-                **(forced or {}))
-    expect = torch.full_like(out, float("nan"))
-    run_plain(plain, b, expect)
-    err = rel_err(out, expect)
-    ref_err = None
-    context = sum(int(s) for s in b["seq_lens"].tolist())
-    if reference is not None and context * hkv * d <= (1 << 28):  # the reference pads every request to max_len
-        ref = torch.full_like(out, float("nan"))
-        run_plain(reference, b, ref)
-        ref_err = rel_err(out, ref)
-    tol = TOLERANCE[dtype]
-    ok = err < tol and (ref_err is None or ref_err < tol)
-    shape = f"Hq{hq}/Hkv{hkv} D{d}"
-    case = f"{impl.__name__.split('.')[-1]}: {case}" + "".join(f" {k}={v}" for k, v in (forced or {}).items())
-    sizes = "+".join(str(len(m)) for _, m in groups) or "-"
-    rows.append((str(dtype)[6:], shape, case, sizes, err, ref_err, tol, ok))
-    ref_text = "-" if ref_err is None else f"{ref_err:.2e}"
-    print(f"{str(dtype)[6:]:<9} {shape:<15} {case:<70} {err:10.2e} {ref_text:>10} {tol:8.0e} "
-          f"{'ok' if ok else 'FAIL'}", flush=True)
-
-
-_DEVICE = ["cuda"]
-
-
-def b_device():
-    return _DEVICE[0]
-
-
-def run_checks(rows, paths, plain, reference, small, g, quick=False):
-    """paths: {module: forced-policy cases}. small: interpreter-sized (CI). Covers GQA 1/4/7/8, D 64/128, 1-token
-    prefixes, ungrouped requests, non-contiguous members, prefixes read through a row outside the batch, padding
-    groups, several suffix splits and prefix slices. quick: fewer dtypes and shapes on the GPU."""
-    for impl, forced_cases in paths.items():
-        if small:
-            for dtype in (torch.float32, torch.float16):  # bf16 tl.dot is wrong in the Triton CPU interpreter
-                for hq, hkv, d in [(4, 4, 64), (8, 2, 32), (8, 1, 128)]:
-                    check_case(rows, impl, plain, reference, dtype, hq, hkv, d,
-                               [(37, [1, 5, 20]), (1, [3, 1]), (16, [2, 9])], [1, 41, 6], "mixed groups + ungrouped",
-                               g)
-            check_case(rows, impl, plain, reference, torch.float32, 4, 1, 32, [(70, [1, 2, 3, 4, 5])], [],
-                       "one group, prefix via other row, 2 pads", g, prefix_row="other", pad_groups=2)
-            check_case(rows, impl, plain, reference, torch.float32, 14, 2, 32, [(40, [3] * 6), (9, [1, 2])], [7],
-                       "GQA 7, a group over two member blocks", g)
-            check_case(rows, impl, plain, reference, torch.float32, 8, 2, 32, [(300, [2, 5, 1]), (40, [7, 3])], [9],
-                       "padded as a CUDA graph (7 groups)", g, graph_groups=7)
-            for forced in forced_cases:
-                for dtype in (torch.float32, torch.float16):
-                    check_case(rows, impl, plain, reference, dtype, 8, 2, 64, [(70, [1, 40, 9]), (3, [66])],
-                               [100, 1], "ragged", g, forced)
-            continue
-        for dtype in (torch.bfloat16, torch.float32) if quick else (torch.bfloat16, torch.float16, torch.float32):
-            for hq, hkv, d in [(32, 8, 128), (16, 8, 128), (14, 2, 64)] if quick else [
-                    (32, 8, 128), (16, 8, 128), (16, 16, 64), (32, 4, 128), (14, 2, 64)]:
-                check_case(rows, impl, plain, reference, dtype, hq, hkv, d,
-                           [(2048, [256] * 16), (1, [5, 1]), (700, [1, 33, 300])], [1, 2000, 64], "mixed", g)
-            check_case(rows, impl, plain, reference, dtype, 32, 8, 128, [(32768, [3, 200]), (4000, [100] * 256)],
-                       [], "32K prefix; group of 256", g, prefix_row="other", pad_groups=5)
-            for forced in forced_cases:
-                check_case(rows, impl, plain, reference, dtype, 32, 8, 128, [(1024, [128] * 16)] * 8, [],
-                           "W1 shape (8 x 16, 1024 + 128)", g, forced)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -129,24 +69,35 @@ def path_variants(kernels_split, kernels_prefix, kernels_one):
     full = lambda b: kv_bytes(b, grouped=False)  # noqa: E731
     both = lambda b: prefix_bytes(b) + own_bytes(b)  # noqa: E731
     return [
-        ("plain, split + merge", lambda b, o: run_plain(kernels_split, b, o),
-         {"_decode_split_kernel": full}),
+        ("plain, split + merge", lambda b, o: run_plain(kernels_split, b, o), {"_decode_split_kernel": full}),
         ("plain, one launch", lambda b, o: run_plain(kernels_one, b, o), {"_decode_kernel": full}),
-        ("grouped, split, exact bounds", lambda b, o: run_grouped(kernels_prefix, b, o),
-         {"_prefix_kernel": prefix_bytes, "_suffix_split_kernel": own_bytes}),
-        ("grouped, split, padded", lambda b, o: run_grouped(kernels_prefix, b["padded"], o),
-         {"_prefix_kernel": prefix_bytes, "_suffix_split_kernel": own_bytes}),
-        ("grouped, one launch, padded", lambda b, o: run_grouped(kernels_one, b["padded"], o),
-         {"_decode_kernel": both}),
-        ("grouped, two launches, padded", lambda b, o: run_grouped(kernels_one, b["padded"], o,
-                                                                   policy=dict(launches=2)),
-         {"_decode_kernel": both}),
+        (
+            "grouped, split, exact bounds",
+            lambda b, o: run_grouped(kernels_prefix, b, o),
+            {"_prefix_kernel": prefix_bytes, "_suffix_split_kernel": own_bytes},
+        ),
+        (
+            "grouped, split, padded",
+            lambda b, o: run_grouped(kernels_prefix, b["padded"], o),
+            {"_prefix_kernel": prefix_bytes, "_suffix_split_kernel": own_bytes},
+        ),
+        (
+            "grouped, one launch, padded",
+            lambda b, o: run_grouped(kernels_one, b["padded"], o),
+            {"_decode_kernel": both},
+        ),
+        (
+            "grouped, two launches, padded",
+            lambda b, o: run_grouped(kernels_one, b["padded"], o, policy=dict(launches=2)),
+            {"_decode_kernel": both},
+        ),
     ]
 
 
 def measure(label, run, bytes_by_kernel, layers, copy_bw):
     """Per-layer time of run over the layer copies (one CUDA graph), and each kernel's time and bandwidth share."""
     from bench.gpu_timing import capture, kernel_times, replay_seconds
+
     outs = [torch.empty_like(b["q"]) for b in layers]
     graph = capture(lambda: [run(b, o) for b, o in zip(layers, outs)])
     per_layer = replay_seconds(graph) / len(layers)
@@ -162,12 +113,18 @@ def measure(label, run, bytes_by_kernel, layers, copy_bw):
 
 def bandwidth(shapes, geometries, layers, copy_bw, lines, paths=None):
     from kernels import one_launch_decode, shared_prefix_attention, triton_attention
+
     g = torch.Generator().manual_seed(0)
-    lines += ["", "| shape | geometry | path | us per layer | kernel: us per call, share of copy bandwidth "
-              "for its must-read bytes |", "|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| shape | geometry | path | us per layer | kernel: us per call, share of copy bandwidth "
+        "for its must-read bytes |",
+        "|---|---|---|---|---|",
+    ]
     results = {}
-    for (shape, (hq, hkv, d)), (geo, (groups, members, prefix, own)) in itertools.product(shapes.items(),
-                                                                                       geometries.items()):
+    for (shape, (hq, hkv, d)), (geo, (groups, members, prefix, own)) in itertools.product(
+        shapes.items(), geometries.items()
+    ):
         b = make_grouped_batch([(prefix, [own] * members)] * groups, [], hq, hkv, d, torch.bfloat16, "cuda", g)
         copies = layer_copies(b, layers)
         for c in copies:
@@ -177,8 +134,10 @@ def bandwidth(shapes, geometries, layers, copy_bw, lines, paths=None):
                 continue
             per_layer, kernels = measure(label, run, must, copies, copy_bw)
             results[shape, geo, label] = (per_layer, kernels)
-            detail = "; ".join(f"{n} {s * 1e6:.1f}" + (f" ({share:.0%})" if share else "")
-                               + (f" x{calls:g}" if calls != 1 else "") for n, (s, calls, share) in kernels.items())
+            detail = "; ".join(
+                f"{n} {s * 1e6:.1f}" + (f" ({share:.0%})" if share else "") + (f" x{calls:g}" if calls != 1 else "")
+                for n, (s, calls, share) in kernels.items()
+            )
             lines.append(f"| {shape} | {geo} | {label} | {per_layer * 1e6:.1f} | {detail} |")
             print(f"{shape:<11} {geo:<4} {label:<30} {per_layer * 1e6:8.1f} us/layer   {detail}", flush=True)
         del b, copies
@@ -190,17 +149,24 @@ def sweep(shape, geometry, layers, copy_bw, lines):
     """The one-launch kernel's blocks, then its grouped policy, on one shape and geometry (padded, as served); the
     fastest of each is applied to kernels/one_launch_decode.py's tables for what follows."""
     from kernels import one_launch_decode as one
+
     hq, hkv, d = attention_shapes()[shape]
     groups, members, prefix, own = GEOMETRIES[geometry]
-    b = make_grouped_batch([(prefix, [own] * members)] * groups, [], hq, hkv, d, torch.bfloat16, "cuda",
-                           torch.Generator().manual_seed(1))
+    b = make_grouped_batch(
+        [(prefix, [own] * members)] * groups, [], hq, hkv, d, torch.bfloat16, "cuda", torch.Generator().manual_seed(1)
+    )
     copies = layer_copies(b, layers)
     for c in copies:
         c["padded"] = graph_padded(c, CONTEXT_LEN, c["q"].shape[0] // 2)
     run = lambda b, o: run_grouped(one, b["padded"], o)  # noqa: E731
     must = {"_decode_kernel": lambda b: prefix_bytes(b) + own_bytes(b)}
-    lines += ["", f"## Sweep of the one-launch kernel ({shape}, {geometry}, padded)", "",
-              "| setting | us per layer | share |", "|---|---|---|"]
+    lines += [
+        "",
+        f"## Sweep of the one-launch kernel ({shape}, {geometry}, padded)",
+        "",
+        "| setting | us per layer | share |",
+        "|---|---|---|",
+    ]
 
     def trial(text):
         try:
@@ -215,8 +181,16 @@ def sweep(shape, geometry, layers, copy_bw, lines):
 
     base = dict(one.DECODE_CONFIG["16bit"])
     best = (float("inf"), base)
-    for block_n, warps, stages in [(64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (32, 4, 3), (128, 4, 2),
-                                   (128, 8, 2), (64, 4, 4)]:
+    for block_n, warps, stages in [
+        (64, 4, 2),
+        (64, 4, 3),
+        (64, 8, 2),
+        (64, 8, 3),
+        (32, 4, 3),
+        (128, 4, 2),
+        (128, 8, 2),
+        (64, 4, 4),
+    ]:
         cfg = dict(base, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
         one.DECODE_CONFIG["16bit"] = cfg
         best = min(best, (trial(f"{cfg}"), cfg), key=lambda r: r[0])
@@ -224,7 +198,11 @@ def sweep(shape, geometry, layers, copy_bw, lines):
     policy = dict(one.GROUPED_POLICY)
     best_policy = (float("inf"), policy)
     for programs, tokens, partials, launches in [(p, t, "float32", 1) for p in (1, 2, 4) for t in (128, 256, 512)] + [
-            (2, 256, "input", 1), (1, 256, "float32", 2), (2, 256, "float32", 2), (2, 128, "float32", 2)]:
+        (2, 256, "input", 1),
+        (1, 256, "float32", 2),
+        (2, 256, "float32", 2),
+        (2, 128, "float32", 2),
+    ]:
         pol = dict(policy, programs_per_sm=programs, slice_tokens=tokens, partials=partials, launches=launches)
         one.GROUPED_POLICY.update(pol)
         best_policy = min(best_policy, (trial(f"{pol}"), pol), key=lambda r: r[0])
@@ -247,7 +225,7 @@ def main():
     args = parser.parse_args()
     if args.interpret and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--interpret needs TRITON_INTERPRET=1 in the environment (triton reads it at import)")
-    _DEVICE[0] = "cpu" if args.interpret else "cuda"
+    DEVICE[0] = "cpu" if args.interpret else "cuda"
     from kernels import one_launch_decode, reference, shared_prefix_attention, triton_attention
 
     g = torch.Generator().manual_seed(args.seed)
@@ -256,21 +234,29 @@ def main():
     started = time.time()
     if not args.no_checks:
         # The last split case: the step's slice count (3) as the group table carries it, below the grid's bound (8).
-        step_slices = torch.tensor([3], dtype=torch.int32, device=_DEVICE[0])
-        paths = {shared_prefix_attention: [dict(num_suffix_splits=3, num_prefix_splits=4),
-                                           dict(num_suffix_splits=1, num_prefix_splits=3, fuse_merge=False),
-                                           dict(num_suffix_splits=1, num_prefix_splits=8, prefix_splits=step_slices)],
-                 one_launch_decode: [dict(num_suffix_splits=3, prefix_programs=3,
-                                          policy=dict(slice_tokens=16, max_slices=3)),
-                                     dict(num_suffix_splits=2, prefix_programs=2,
-                                          policy=dict(slice_tokens=16, max_slices=16, partials="input",
-                                                      prefix_last=True))]}
+        step_slices = torch.tensor([3], dtype=torch.int32, device=DEVICE[0])
+        paths = {
+            shared_prefix_attention: [
+                dict(num_suffix_splits=3, num_prefix_splits=4),
+                dict(num_suffix_splits=1, num_prefix_splits=3, fuse_merge=False),
+                dict(num_suffix_splits=1, num_prefix_splits=8, prefix_splits=step_slices),
+            ],
+            one_launch_decode: [
+                dict(num_suffix_splits=3, prefix_programs=3, policy=dict(slice_tokens=16, max_slices=3)),
+                dict(
+                    num_suffix_splits=2,
+                    prefix_programs=2,
+                    policy=dict(slice_tokens=16, max_slices=16, partials="input", prefix_last=True),
+                ),
+            ],
+        }
         print(f"{'dtype':<9} {'shape':<15} {'case':<70} {'vs plain':>10} {'vs ref':>10} {'tol':>8}")
         run_checks(check_rows, paths, triton_attention, reference, args.interpret, g, args.quick_checks)
         failed = [r for r in check_rows if not r[-1]]
         print(f"checks: {len(check_rows) - len(failed)}/{len(check_rows)} pass in {time.time() - started:.0f} s")
     if not args.interpret and not args.check_only:
         from bench.gpu_timing import copy_bandwidth
+
         copy_bw = copy_bandwidth()
         lines += [f"Copy bandwidth (2 GiB device-to-device, read + written): {copy_bw / 1e9:.0f} GB/s."]
         print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
@@ -278,15 +264,26 @@ def main():
             sweep("qwen3-8b", "W1", args.layers, copy_bw, lines)
         bandwidth(attention_shapes(), GEOMETRIES, args.layers, copy_bw, lines)
     if args.out:
-        header = ["# Shared-prefix decode attention: correctness and bandwidth", "",
-                  f"`python bench/shared_prefix_kernel_bench.py {' '.join(sys.argv[1:])}` on "
-                  f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, "
-                  f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}.", ""]
-        checks = ["", "## Correctness (relative L2 error, outputs in fp32)", "",
-                  "| dtype | shape | case | group sizes | vs plain kernel | vs fp32 reference | tol | |",
-                  "|---|---|---|---|---|---|---|---|"]
-        checks += [f"| {dt} | {shape} | {case} | {sizes} | {err:.2e} | {'-' if r is None else f'{r:.2e}'} | {tol:.0e} "
-                   f"| {'ok' if ok else 'FAIL'} |" for dt, shape, case, sizes, err, r, tol, ok in check_rows]
+        header = [
+            "# Shared-prefix decode attention: correctness and bandwidth",
+            "",
+            f"`python bench/shared_prefix_kernel_bench.py {' '.join(sys.argv[1:])}` on "
+            f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'CPU'}, "
+            f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}.",
+            "",
+        ]
+        checks = [
+            "",
+            "## Correctness (relative L2 error, outputs in fp32)",
+            "",
+            "| dtype | shape | case | group sizes | vs plain kernel | vs fp32 reference | tol | |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        checks += [
+            f"| {dt} | {shape} | {case} | {sizes} | {err:.2e} | {'-' if r is None else f'{r:.2e}'} | {tol:.0e} "
+            f"| {'ok' if ok else 'FAIL'} |"
+            for dt, shape, case, sizes, err, r, tol, ok in check_rows
+        ]
         with open(args.out, "w") as f:
             f.write("\n".join(header + lines + checks) + "\n")
     print("ALL PASS" if not failed else f"{len(failed)} FAILED")

@@ -25,8 +25,10 @@ SHAPES = {
     "qwen3-0.6b": (28, {"qkv": (4096, 1024), "o": (1024, 2048), "down": (1024, 3072), "gate_up": (6144, 1024)}),
     "qwen3-8b": (36, {"qkv": (6144, 4096), "o": (4096, 4096), "down": (4096, 12288), "gate_up": (24576, 4096)}),
 }
-SWEEP = [dict(BLOCK_N=bn, num_stages=st, programs_per_sm=p)
-         for bn, st, p in itertools.product((16, 32, 64), (3, 5), (1, 2, 4))]
+SWEEP = [
+    dict(BLOCK_N=bn, num_stages=st, programs_per_sm=p)
+    for bn, st, p in itertools.product((16, 32, 64), (3, 5), (1, 2, 4))
+]
 
 
 def per_call_seconds(fn, weights, x) -> float:
@@ -44,11 +46,15 @@ def main() -> int:
     ns = parser.parse_args()
     assert torch.cuda.is_available(), "needs a GPU"
     bandwidth = copy_bandwidth()
-    lines = [f"# Decode-sized projections: cuBLAS against the skinny kernel, {torch.cuda.get_device_name()}", "",
-             f"`python -m bench.skinny_linear_bench {' '.join(sys.argv[1:])}`, torch {torch.__version__}; copy "
-             f"bandwidth {bandwidth / 1e9:.0f} GB/s (read + written). Share: weight bytes / time / copy bandwidth.",
-             "", "| shape | projection | rows | cuBLAS us | share | skinny us | share | splits |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Decode-sized projections: cuBLAS against the skinny kernel, {torch.cuda.get_device_name()}",
+        "",
+        f"`python -m bench.skinny_linear_bench {' '.join(sys.argv[1:])}`, torch {torch.__version__}; copy "
+        f"bandwidth {bandwidth / 1e9:.0f} GB/s (read + written). Share: weight bytes / time / copy bandwidth.",
+        "",
+        "| shape | projection | rows | cuBLAS us | share | skinny us | share | splits |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for shape, (layers, projections) in SHAPES.items():
         for name, (n, k) in projections.items():
             weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(layers)]
@@ -63,8 +69,10 @@ def main() -> int:
                 skinny = per_call_seconds(triton_skinny_linear.skinny_linear, weights, x)
                 cfg = triton_skinny_linear.skinny_config(x.dtype, x.device)
                 splits = triton_skinny_linear.num_splits(n, k, cfg, x.device)
-                row = (f"| {shape} | {name} | {rows} | {cublas * 1e6:.2f} | {nbytes / cublas / bandwidth:.0%} | "
-                       f"{skinny * 1e6:.2f} | {nbytes / skinny / bandwidth:.0%} | {splits} |")
+                row = (
+                    f"| {shape} | {name} | {rows} | {cublas * 1e6:.2f} | {nbytes / cublas / bandwidth:.0%} | "
+                    f"{skinny * 1e6:.2f} | {nbytes / skinny / bandwidth:.0%} | {splits} |"
+                )
                 lines.append(row)
                 print(row, flush=True)
                 if ns.sweep and rows == ns.rows[0]:
@@ -74,8 +82,11 @@ def main() -> int:
                         timed.append((per_call_seconds(fn, weights, x), cfg))
                     timed.sort(key=lambda t: t[0])
                     for seconds, cfg in timed[:3]:
-                        print(f"    sweep {shape} {name}: {seconds * 1e6:.2f} us ({nbytes / seconds / bandwidth:.0%}) "
-                              f"{cfg}", flush=True)
+                        print(
+                            f"    sweep {shape} {name}: {seconds * 1e6:.2f} us ({nbytes / seconds / bandwidth:.0%}) "
+                            f"{cfg}",
+                            flush=True,
+                        )
             del weights
             torch.cuda.empty_cache()
     if ns.out:

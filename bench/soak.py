@@ -41,6 +41,7 @@ BASELINE_S = 60.0
 
 # ---------------------------------------------------------------------------------------------- process memory
 
+
 def process_tree(root: int) -> dict[int, str]:
     """root and its descendants, each named by what it runs (launch.py, worker-0, scheduler, tokenizer)."""
     return {pid: process_name(argv, pid) for pid, argv in process_tree_argv(root).items()}
@@ -68,6 +69,7 @@ def rss_mib(pid: int) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------- load
+
 
 @dataclass
 class Tally:
@@ -119,8 +121,14 @@ async def client_loop(session, url: str, index: int, max_tokens: int, stop_at: f
     while time.monotonic() < stop_at:
         # Each request differs (no cache hit makes it free) but shares a prefix with the others (the radix cache
         # is exercised: inserts, matches, evictions).
-        body = {"prompt": f"Soak client {index} request {n}: tell me a story.", "max_tokens": max_tokens,
-                "stream": True, "temperature": 0.7, "seed": index * 100003 + n, "ignore_eos": True}
+        body = {
+            "prompt": f"Soak client {index} request {n}: tell me a story.",
+            "max_tokens": max_tokens,
+            "stream": True,
+            "temperature": 0.7,
+            "seed": index * 100003 + n,
+            "ignore_eos": True,
+        }
         await one_stream(session, url, body, tally)
         n += 1
 
@@ -143,17 +151,17 @@ async def run_soak(ns, url: str, launcher_pid: int | None) -> tuple[Tally, list[
     connector = aiohttp.TCPConnector(limit=0)  # one connection per client, no pool limit
     timeout = aiohttp.ClientTimeout(total=None, sock_read=ns.read_timeout_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        await asyncio.gather(*(client_loop(session, url, i, ns.max_tokens, stop_at, tally)
-                               for i in range(ns.clients)))
+        await asyncio.gather(*(client_loop(session, url, i, ns.max_tokens, stop_at, tally) for i in range(ns.clients)))
     elapsed = time.monotonic() - t0
     sampler.cancel()  # and one last sample, after the load
-    for pid, name in (process_tree(launcher_pid).items() if launcher_pid else []):
+    for pid, name in process_tree(launcher_pid).items() if launcher_pid else []:
         if (rss := rss_mib(pid)) is not None:
             samples.append({"t_s": round(time.monotonic() - t0, 1), "process": name, "pid": pid, "rss_mib": rss})
     return tally, samples, elapsed
 
 
 # ---------------------------------------------------------------------------------------------- results
+
 
 def wait_for_idle(url: str, timeout_s: float = 120) -> dict:
     deadline = time.monotonic() + timeout_s
@@ -166,8 +174,11 @@ def wait_for_idle(url: str, timeout_s: float = 120) -> dict:
 
 def kv_invariant_whole(info: dict) -> bool:
     in_use = info["kv_owned"] + info["kv_protected"]
-    return (info["kv_invariant_ok"] is True and in_use == 0
-            and info["kv_free"] + info["kv_evictable"] + in_use == info["kv_total"])
+    return (
+        info["kv_invariant_ok"] is True
+        and in_use == 0
+        and info["kv_free"] + info["kv_evictable"] + in_use == info["kv_total"]
+    )
 
 
 def rss_summary(samples: list[dict]) -> dict[str, dict]:
@@ -181,14 +192,21 @@ def rss_summary(samples: list[dict]) -> dict[str, dict]:
         base = next((s for s in series if s["t_s"] >= BASELINE_S), series[0])
         end = series[-1]
         change = (end["rss_mib"] - base["rss_mib"]) / base["rss_mib"]
-        out[name] = {"pid": end["pid"], "start_mib": series[0]["rss_mib"], "after_1_min_mib": base["rss_mib"],
-                     "end_mib": end["rss_mib"], "peak_mib": max(s["rss_mib"] for s in series),
-                     "change_since_1_min": round(change, 4), "within_tolerance": change <= RSS_TOLERANCE}
+        out[name] = {
+            "pid": end["pid"],
+            "start_mib": series[0]["rss_mib"],
+            "after_1_min_mib": base["rss_mib"],
+            "end_mib": end["rss_mib"],
+            "peak_mib": max(s["rss_mib"] for s in series),
+            "change_since_1_min": round(change, 4),
+            "within_tolerance": change <= RSS_TOLERANCE,
+        }
     return out
 
 
 def plot_rss(samples: list[dict], path: Path, title: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -225,15 +243,19 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between RSS samples")
-    parser.add_argument("--read-timeout-s", type=float, default=600.0,
-                        help="a stream silent this long counts as failed")
+    parser.add_argument(
+        "--read-timeout-s", type=float, default=600.0, help="a stream silent this long counts as failed"
+    )
     parser.add_argument("--out", default="bench/results/soak-cpu", help="path prefix of the .json and .png written")
     ns = parser.parse_args()
 
     proc = log = None
     if ns.url is None:
-        proc, url, log = start_server(ns.model or str(tiny_model_dir("llama")),
-                                      ["--device", "cpu", *shlex.split(ns.server_args)], "radixserve-soak-")
+        proc, url, log = start_server(
+            ns.model or str(tiny_model_dir("llama")),
+            ["--device", "cpu", *shlex.split(ns.server_args)],
+            "radixserve-soak-",
+        )
         launcher_pid = proc.pid
     else:
         url, launcher_pid = ns.url.rstrip("/"), ns.launcher_pid
@@ -249,32 +271,50 @@ def main() -> int:
     rss = rss_summary(samples) if samples else {}
     record = {
         "command": shlex.join([sys.executable.rsplit("/", 1)[-1], "-m", "bench.soak", *sys.argv[1:]]),
-        "date_utc": started.strftime("%Y-%m-%d %H:%M"), "machine": f"{platform.node()}: {os.cpu_count()} CPUs, "
+        "date_utc": started.strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{platform.node()}: {os.cpu_count()} CPUs, "
         f"{platform.processor() or platform.machine()}, Python {platform.python_version()}",
-        "url": url, "clients": ns.clients, "minutes": ns.minutes, "max_tokens": ns.max_tokens,
-        "elapsed_s": round(elapsed, 1), "requests_completed": tally.completed, "chunks_streamed": tally.chunks,
-        "requests_failed": sum(tally.failures.values()), "failures": dict(tally.failures),
+        "url": url,
+        "clients": ns.clients,
+        "minutes": ns.minutes,
+        "max_tokens": ns.max_tokens,
+        "elapsed_s": round(elapsed, 1),
+        "requests_completed": tally.completed,
+        "chunks_streamed": tally.chunks,
+        "requests_failed": sum(tally.failures.values()),
+        "failures": dict(tally.failures),
         "failure_examples": tally.failure_examples,
         "latency_s": {"p50": percentile(tally.latencies, 0.5), "p99": percentile(tally.latencies, 0.99)},
-        "server_alive_at_end": server_alive, "kv_invariant_whole": kv_invariant_whole(info),
+        "server_alive_at_end": server_alive,
+        "kv_invariant_whole": kv_invariant_whole(info),
         "server_info_at_end": {k: v for k, v in info.items() if k != "server_args"},
-        "rss": rss, "rss_within_tolerance": all(r["within_tolerance"] for r in rss.values()) if rss else None,
+        "rss": rss,
+        "rss_within_tolerance": all(r["within_tolerance"] for r in rss.values()) if rss else None,
         "rss_samples": samples,
     }
     out = Path(ns.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     if samples:
-        plot_rss(samples, out.with_suffix(".png"),
-                 f"RSS under {ns.clients} streaming clients for {ns.minutes:g} min ({started:%Y-%m-%d})")
-    print(f"{tally.completed} requests completed, {record['requests_failed']} failed {dict(tally.failures)}, "
-          f"{tally.chunks} chunks streamed in {elapsed:.0f} s; latency p50 {record['latency_s']['p50']} s, "
-          f"p99 {record['latency_s']['p99']} s")
-    print(f"KV invariant at idle: {'whole' if record['kv_invariant_whole'] else 'BROKEN'} "
-          f"({ {k: info[k] for k in ('kv_total', 'kv_free', 'kv_evictable', 'kv_owned', 'kv_protected')} })")
+        plot_rss(
+            samples,
+            out.with_suffix(".png"),
+            f"RSS under {ns.clients} streaming clients for {ns.minutes:g} min ({started:%Y-%m-%d})",
+        )
+    print(
+        f"{tally.completed} requests completed, {record['requests_failed']} failed {dict(tally.failures)}, "
+        f"{tally.chunks} chunks streamed in {elapsed:.0f} s; latency p50 {record['latency_s']['p50']} s, "
+        f"p99 {record['latency_s']['p99']} s"
+    )
+    print(
+        f"KV invariant at idle: {'whole' if record['kv_invariant_whole'] else 'BROKEN'} "
+        f"({ {k: info[k] for k in ('kv_total', 'kv_free', 'kv_evictable', 'kv_owned', 'kv_protected')} })"
+    )
     for name, r in rss.items():
-        print(f"RSS {name:>10}: start {r['start_mib']:.0f} MiB, after 1 min {r['after_1_min_mib']:.0f}, "
-              f"end {r['end_mib']:.0f}, peak {r['peak_mib']:.0f} ({r['change_since_1_min']:+.1%} since 1 min)")
+        print(
+            f"RSS {name:>10}: start {r['start_mib']:.0f} MiB, after 1 min {r['after_1_min_mib']:.0f}, "
+            f"end {r['end_mib']:.0f}, peak {r['peak_mib']:.0f} ({r['change_since_1_min']:+.1%} since 1 min)"
+        )
     if log is not None:
         print(f"server log: {log}")
     ok = record["requests_failed"] == 0 and record["kv_invariant_whole"] and server_alive

@@ -36,9 +36,11 @@ SCHEMA = {
         "role": {"enum": ["admin", "editor", "viewer"]},
         "score": {"type": "number", "minimum": 0, "maximum": 100},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                     "zip": {"type": "string", "maxLength": 10}},
-                    "required": ["city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "zip": {"type": "string", "maxLength": 10}},
+            "required": ["city", "zip"],
+        },
     },
     "required": ["name", "age", "email", "role", "score", "tags", "address"],
 }
@@ -71,8 +73,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, min(vocab, 30000), ns.prompt_len).tolist() for _ in range(ns.requests)]
     schema = json.dumps(SCHEMA)
-    constrained = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=ns.max_new_tokens, json_schema=schema)
-                   for i in range(ns.requests)]
+    constrained = [
+        SamplingParams(temperature=1.0, seed=i, max_new_tokens=ns.max_new_tokens, json_schema=schema)
+        for i in range(ns.requests)
+    ]
     device_name = torch.cuda.get_device_name() if ns.device == "cuda" else "cpu"
     with Engine(model_dir, device=ns.device, max_running_requests=ns.requests, **engine_args) as engine:
         # Warm-up: Triton kernels, CUDA graphs, the worker's tokenizer and the schema's compilation.
@@ -82,18 +86,26 @@ def main() -> None:
         lengths = [len(r.token_ids) for r in grammar_results]
         checks = [_valid(r.text) for r in grammar_results]
         valid = None if None in checks else sum(checks)
-        plain = [SamplingParams(temperature=1.0, seed=i, max_new_tokens=n, ignore_eos=True)
-                 for i, n in enumerate(lengths)]
+        plain = [
+            SamplingParams(temperature=1.0, seed=i, max_new_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)
+        ]
         engine.flush_cache()
         plain_s, plain_results = timed(engine, prompts, plain)
         assert [len(r.token_ids) for r in plain_results] == lengths
     tokens = sum(lengths)
     row = {
-        "device": device_name, "model": ns.model or f"{ns.config} (dummy weights)", "requests": ns.requests,
-        "prompt_len": ns.prompt_len, "output_tokens": tokens, "mean_output_len": round(tokens / ns.requests, 1),
-        "valid_json": valid, "truncated": sum(n >= ns.max_new_tokens for n in lengths),
-        "constrained_s": round(grammar_s, 2), "unconstrained_s": round(plain_s, 2),
-        "constrained_tok_per_s": round(tokens / grammar_s), "unconstrained_tok_per_s": round(tokens / plain_s),
+        "device": device_name,
+        "model": ns.model or f"{ns.config} (dummy weights)",
+        "requests": ns.requests,
+        "prompt_len": ns.prompt_len,
+        "output_tokens": tokens,
+        "mean_output_len": round(tokens / ns.requests, 1),
+        "valid_json": valid,
+        "truncated": sum(n >= ns.max_new_tokens for n in lengths),
+        "constrained_s": round(grammar_s, 2),
+        "unconstrained_s": round(plain_s, 2),
+        "constrained_tok_per_s": round(tokens / grammar_s),
+        "unconstrained_tok_per_s": round(tokens / plain_s),
         "constrained_over_unconstrained": round(plain_s / grammar_s, 3),
         "command": " ".join(["python", *sys.argv]),
     }

@@ -31,10 +31,12 @@ def chats_per_second(tokenizer, workers: int, groups: int | None, cache_mib: int
     requests = [ChatCompletionRequest(messages=m) for m in conversations(prompts, ns.chats, f"run{seed}", seed)]
     tokenization = Tokenization(tokenizer, 1 << 20, workers, cache_mib)
     try:
+
         async def run() -> float:
             start = time.perf_counter()
             await asyncio.gather(*(tokenization.encode_chat(r) for r in requests))
             return time.perf_counter() - start
+
         return len(requests) / asyncio.run(run())
     finally:
         tokenization.close()
@@ -56,11 +58,19 @@ def main() -> None:
         for load, (groups, cache_mib) in LOADS.items():
             runs = [chats_per_second(tokenizer, workers, groups, cache_mib, ns, seed) for seed in range(ns.repeats)]
             results[f"{load} workers={workers}"] = summarize(runs)
-            print(f"{load:16s} workers={workers:<3d} {results[f'{load} workers={workers}']['median']:9.1f} chats/s "
-                  f"(spread {results[f'{load} workers={workers}']['spread_pct']}%)", flush=True)
+            print(
+                f"{load:16s} workers={workers:<3d} {results[f'{load} workers={workers}']['median']:9.1f} chats/s "
+                f"(spread {results[f'{load} workers={workers}']['spread_pct']}%)",
+                flush=True,
+            )
     if ns.json_out:
-        out = {"record": run_record(), "cpus": os.cpu_count(), "chats": ns.chats, "system_tokens": ns.system_tokens,
-               "chats_per_second": results}
+        out = {
+            "record": run_record(),
+            "cpus": os.cpu_count(),
+            "chats": ns.chats,
+            "system_tokens": ns.system_tokens,
+            "chats_per_second": results,
+        }
         with open(ns.json_out, "w") as f:
             f.write(json.dumps(out, indent=1) + "\n")
 

@@ -43,12 +43,14 @@ from radixserve.testing.tiny_models import dummy_config_dir
 from radixserve.tokenizer_loading import load_tokenizer
 
 MODES = {"pieces": [], "whole": ["--disable-chat-segment-cache"]}
-WORDS = ("the of and to in is you that it for are as with be on your this by we or an will can not all at from "
-         "have more if their about which when they one our any what other use must should answer request user "
-         "policy customer account order product support service data privacy safety rule step example always "
-         "never explain clearly briefly politely information question response tool result error refund ship "
-         "price plan team company report review check confirm follow guideline section note important format "
-         "list table summary detail context language tone formal friendly concise accurate helpful assistant").split()
+WORDS = (
+    "the of and to in is you that it for are as with be on your this by we or an will can not all at from "
+    "have more if their about which when they one our any what other use must should answer request user "
+    "policy customer account order product support service data privacy safety rule step example always "
+    "never explain clearly briefly politely information question response tool result error refund ship "
+    "price plan team company report review check confirm follow guideline section note important format "
+    "list table summary detail context language tone formal friendly concise accurate helpful assistant"
+).split()
 
 
 def system_prompts(tokenizer, groups: int, tokens: int, seed: int) -> list[str]:
@@ -58,7 +60,8 @@ def system_prompts(tokenizer, groups: int, tokens: int, seed: int) -> list[str]:
     for g in range(groups):
         words = [rng.choice(WORDS) for _ in range(tokens * 2)]
         text = f"You are assistant {g} of our company. " + " ".join(
-            w + (". " if rng.random() < 0.08 else "") for w in words)
+            w + (". " if rng.random() < 0.08 else "") for w in words
+        )
         ids = tokenizer(text, add_special_tokens=False)["input_ids"][:tokens]
         prompts.append(tokenizer.decode(ids))
     return prompts
@@ -67,9 +70,13 @@ def system_prompts(tokenizer, groups: int, tokens: int, seed: int) -> list[str]:
 def conversations(prompts: list[str], n: int, tag: str, seed: int) -> list[list[dict]]:
     """n chats over the prompts in turn, each with its own question (new for every tag: nothing of it is cached)."""
     rng = random.Random(f"{seed}-{tag}")
-    return [[{"role": "system", "content": prompts[i % len(prompts)]},
-             {"role": "user", "content": f"[{tag} #{i}] " + " ".join(rng.choice(WORDS) for _ in range(14)) + "?"}]
-            for i in range(n)]
+    return [
+        [
+            {"role": "system", "content": prompts[i % len(prompts)]},
+            {"role": "user", "content": f"[{tag} #{i}] " + " ".join(rng.choice(WORDS) for _ in range(14)) + "?"},
+        ]
+        for i in range(n)
+    ]
 
 
 # ------------------------------------------------------------------------------------------------- clients
@@ -78,10 +85,15 @@ def conversations(prompts: list[str], n: int, tag: str, seed: int) -> list[list[
 async def _one(client, model: str, messages: list[dict], max_tokens: int) -> dict:
     start = time.perf_counter()
     stream = await client.chat.completions.create(
-        model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+        model=model,
+        messages=messages,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
         # Dummy weights may sample special tokens only, whose text is empty when skipped: time them too.
-        extra_body={"ignore_eos": True, "skip_special_tokens": False})
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
+    )
     times, usage = [], None
     async for chunk in stream:
         if chunk.usage is not None:
@@ -93,24 +105,33 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int) -> dic
     details = getattr(usage, "prompt_tokens_details", None)
     # No text at all (dummy weights can sample ids past the tokenizer's vocabulary, which decode to nothing): no
     # time to its first token can be seen; counted apart (no_text_requests).
-    return {"ttft": times[0] - start if times else None, "gaps": np.diff(times).tolist(), "end": time.time(),
-            "decode_s": times[-1] - times[0] if times else 0.0, "completion_tokens": usage.completion_tokens,
-            "prompt_tokens": usage.prompt_tokens, "cached_tokens": getattr(details, "cached_tokens", 0) or 0}
+    return {
+        "ttft": times[0] - start if times else None,
+        "gaps": np.diff(times).tolist(),
+        "end": time.time(),
+        "decode_s": times[-1] - times[0] if times else 0.0,
+        "completion_tokens": usage.completion_tokens,
+        "prompt_tokens": usage.prompt_tokens,
+        "cached_tokens": getattr(details, "cached_tokens", 0) or 0,
+    }
 
 
-async def _share(url: str, model: str, chats: list[list[dict]], start_at: float, shared_client: bool,
-                 max_tokens: int) -> list[dict]:
+async def _share(
+    url: str, model: str, chats: list[list[dict]], start_at: float, shared_client: bool, max_tokens: int
+) -> list[dict]:
     from openai import AsyncOpenAI
 
     def client():
-        return AsyncOpenAI(base_url=f"{url}/v1", api_key=os.environ.get("RADIXSERVE_API_KEY", "unused"),
-                           max_retries=0, timeout=600)
+        return AsyncOpenAI(
+            base_url=f"{url}/v1", api_key=os.environ.get("RADIXSERVE_API_KEY", "unused"), max_retries=0, timeout=600
+        )
 
     clients = [client()] * len(chats) if shared_client else [client() for _ in chats]
     await asyncio.sleep(max(0.0, start_at - time.time()))  # every process starts its requests at the same moment
     try:
-        results = await asyncio.gather(*(_one(c, model, m, max_tokens) for c, m in zip(clients, chats)),
-                                       return_exceptions=True)
+        results = await asyncio.gather(
+            *(_one(c, model, m, max_tokens) for c, m in zip(clients, chats)), return_exceptions=True
+        )
         # As text: the openai package's errors do not survive pickling back to the parent process.
         return [{"error": repr(r)} if isinstance(r, BaseException) else r for r in results]
     finally:
@@ -118,8 +139,9 @@ async def _share(url: str, model: str, chats: list[list[dict]], start_at: float,
             await c.close()
 
 
-def client_share(url: str, model: str, chats: list[list[dict]], start_at: float, shared_client: bool,
-                 max_tokens: int) -> list[dict]:
+def client_share(
+    url: str, model: str, chats: list[list[dict]], start_at: float, shared_client: bool, max_tokens: int
+) -> list[dict]:
     """One client process's part of a burst (a multiprocessing target)."""
     return asyncio.run(_share(url, model, chats, start_at, shared_client, max_tokens))
 
@@ -138,18 +160,22 @@ def burst(pool, procs: int, url: str, model: str, chats: list[list[dict]], ns) -
     gaps = np.array([g for r in results for g in r["gaps"]] or [float("nan")]) * 1e3
     tokens = sum(r["completion_tokens"] for r in results)
     seconds = max(r["end"] for r in results) - start_at
-    return {"ttft_p50_ms": round(float(np.percentile(ttfts, 50)), 1),
-            "ttft_p99_ms": round(float(np.percentile(ttfts, 99)), 1),
-            "ttft_max_ms": round(float(ttfts.max()), 1),
-            "itl_mean_ms": round(float(gaps.mean()), 2), "itl_p50_ms": round(float(np.percentile(gaps, 50)), 2),
-            "itl_p99_ms": round(float(np.percentile(gaps, 99)), 2),
-            "tpot_ms": round(1e3 * statistics.mean(r["decode_s"] / max(1, r["completion_tokens"] - 1)
-                                                    for r in seen), 2),
-            "no_text_requests": len(results) - len(seen),
-            "output_tok_per_s": round(tokens / seconds, 1), "requests_per_s": round(len(results) / seconds, 2),
-            "prompt_tokens_mean": round(statistics.mean(r["prompt_tokens"] for r in results), 1),
-            "cached_share": round(sum(r["cached_tokens"] for r in results) /
-                                  max(1, sum(r["prompt_tokens"] for r in results)), 4)}
+    return {
+        "ttft_p50_ms": round(float(np.percentile(ttfts, 50)), 1),
+        "ttft_p99_ms": round(float(np.percentile(ttfts, 99)), 1),
+        "ttft_max_ms": round(float(ttfts.max()), 1),
+        "itl_mean_ms": round(float(gaps.mean()), 2),
+        "itl_p50_ms": round(float(np.percentile(gaps, 50)), 2),
+        "itl_p99_ms": round(float(np.percentile(gaps, 99)), 2),
+        "tpot_ms": round(1e3 * statistics.mean(r["decode_s"] / max(1, r["completion_tokens"] - 1) for r in seen), 2),
+        "no_text_requests": len(results) - len(seen),
+        "output_tok_per_s": round(tokens / seconds, 1),
+        "requests_per_s": round(len(results) / seconds, 2),
+        "prompt_tokens_mean": round(statistics.mean(r["prompt_tokens"] for r in results), 1),
+        "cached_share": round(
+            sum(r["cached_tokens"] for r in results) / max(1, sum(r["prompt_tokens"] for r in results)), 4
+        ),
+    }
 
 
 # -------------------------------------------------------------------------------------------------- modes
@@ -160,9 +186,14 @@ class ModeServer:
 
     def __init__(self, mode: str, model_dir: str, ns, prompts: list[str], pool):
         self.mode, self.ns, self.prompts, self.pool = mode, ns, prompts, pool
-        flags = ["--device", ns.device, *(["--load-format", ns.load_format] if ns.load_format else []),
-                 *(["--tokenizer", ns.tokenizer] if ns.tokenizer and not ns.config else []),
-                 *MODES[mode], *ns.server_flags.split()]
+        flags = [
+            "--device",
+            ns.device,
+            *(["--load-format", ns.load_format] if ns.load_format else []),
+            *(["--tokenizer", ns.tokenizer] if ns.tokenizer and not ns.config else []),
+            *MODES[mode],
+            *ns.server_flags.split(),
+        ]
         self.server, self.url, self.log = start_server(model_dir, flags, f"radixserve-ttft-{mode}-")
         self.runs: list[dict] = []
         try:
@@ -185,8 +216,11 @@ class ModeServer:
     def stop(self, failed: bool = False) -> None:
         try:
             if failed:  # the server's own account of what went wrong, before its log goes
-                print(f"--- {self.mode} server log (last 40 lines) ---\n" +
-                      "\n".join(self.log.read_text(errors="replace").splitlines()[-40:]), flush=True)
+                print(
+                    f"--- {self.mode} server log (last 40 lines) ---\n"
+                    + "\n".join(self.log.read_text(errors="replace").splitlines()[-40:]),
+                    flush=True,
+                )
             else:
                 info = httpx.get(f"{self.url}/server_info", timeout=30).json()
                 if not info.get("kv_invariant_ok", True):
@@ -227,8 +261,10 @@ def run_mode(mode: str, model_dir: str, ns, prompts: list[str], pool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an HF model directory (with its tokenizer)")
-    parser.add_argument("--config", help="a real shape with dummy weights (radixserve/testing/configs), e.g. "
-                                         "qwen3-0.6b; needs --tokenizer")
+    parser.add_argument(
+        "--config",
+        help="a real shape with dummy weights (radixserve/testing/configs), e.g. qwen3-0.6b; needs --tokenizer",
+    )
     parser.add_argument("--tokenizer", help="tokenizer directory (with --config: copied beside the shape)")
     parser.add_argument("--load-format", help="passed to launch.py (dummy with --config)")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -238,12 +274,20 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens of each reply")
     parser.add_argument("--repeats", type=int, default=3, help="timed bursts per mode")
     parser.add_argument("--modes", default="pieces,whole", help=f"comma-separated, of {', '.join(MODES)}")
-    parser.add_argument("--client-procs", type=int, default=max(1, min(8, (os.cpu_count() or 2) // 4)),
-                        help="client processes the requests are split over")
+    parser.add_argument(
+        "--client-procs",
+        type=int,
+        default=max(1, min(8, (os.cpu_count() or 2) // 4)),
+        help="client processes the requests are split over",
+    )
     parser.add_argument("--shared-client", action="store_true", help="one AsyncOpenAI client per process")
     parser.add_argument("--server-flags", default="", help="more launch.py flags, e.g. '--max-total-tokens 65536'")
-    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
-                        help="all modes' servers up at once, bursts alternating (default: on the CPU only)")
+    parser.add_argument(
+        "--interleave",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="all modes' servers up at once, bursts alternating (default: on the CPU only)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json-out", help="write the record and the figures here")
     ns = parser.parse_args()
@@ -265,18 +309,35 @@ def main() -> None:
         results = run_modes(modes, model_dir, ns, prompts, pool)
     keys = ("ttft_p50_ms", "ttft_p99_ms", "itl_mean_ms", "itl_p99_ms", "output_tok_per_s", "cached_share")
     for mode, figures in results.items():
-        print(f"{mode}: " + ", ".join(f"{k} {figures[k]['median']} ({figures[k]['spread_pct']}%)" for k in keys),
-              flush=True)
+        print(
+            f"{mode}: " + ", ".join(f"{k} {figures[k]['median']} ({figures[k]['spread_pct']}%)" for k in keys),
+            flush=True,
+        )
     paired = {}
     if ns.interleave and len(modes) == 2:  # bursts i of the two modes ran back to back: their ratio cancels drift
         first, second = (results[m] for m in modes)
         for key in ("ttft_p50_ms", "ttft_p99_ms"):
             paired[f"{key} {modes[1]}/{modes[0]}"] = summarize(
-                [b / a for a, b in zip(first[key]["runs"], second[key]["runs"])])
+                [b / a for a, b in zip(first[key]["runs"], second[key]["runs"])]
+            )
             print(f"paired {key} {modes[1]}/{modes[0]}: {paired[f'{key} {modes[1]}/{modes[0]}']}", flush=True)
-    workload = {k: getattr(ns, k) for k in ("requests", "groups", "system_tokens", "max_tokens", "repeats",
-                                            "client_procs", "shared_client", "device", "config", "model",
-                                            "server_flags", "interleave")}
+    workload = {
+        k: getattr(ns, k)
+        for k in (
+            "requests",
+            "groups",
+            "system_tokens",
+            "max_tokens",
+            "repeats",
+            "client_procs",
+            "shared_client",
+            "device",
+            "config",
+            "model",
+            "server_flags",
+            "interleave",
+        )
+    }
     out = {"record": run_record(), "workload": workload, "cpus": os.cpu_count(), "results": results, "paired": paired}
     if ns.json_out:
         Path(ns.json_out).parent.mkdir(parents=True, exist_ok=True)

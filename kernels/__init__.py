@@ -73,6 +73,7 @@ def _triton():
     global _triton_modules
     if _triton_modules is None:
         from kernels import triton_attention, triton_elementwise
+
         _triton_modules = (triton_attention, triton_elementwise)
     return _triton_modules
 
@@ -93,6 +94,7 @@ def _decode_impl(tensor):
         return reference
     if OPTIONS["one_launch_decode"]:
         from kernels import one_launch_decode
+
         return one_launch_decode
     return None
 
@@ -108,8 +110,21 @@ def store_kv(k, v, k_cache, v_cache, out_cache_loc):
     _attention_impl(k).store_kv(k, v, k_cache, v_cache, out_cache_loc)
 
 
-def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-                     extend_start_loc, sm_scale, max_extend_len):
+def extend_attention(
+    q,
+    k,
+    v,
+    o,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    prefix_lens,
+    extend_lens,
+    extend_start_loc,
+    sm_scale,
+    max_extend_len,
+):
     """Prefill/extend for a batch of requests; writes o [T, Hq, D] in place.
 
     New token j of request i sees its prefix positions [0, prefix_lens[i]) through
@@ -121,16 +136,31 @@ def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indice
     Decode requests (extend 1) cost far more here than in decode_attention; split them out when the
     host knows which they are.
     """
-    _attention_impl(q).extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices,
-                                        prefix_lens, extend_lens, extend_start_loc, sm_scale, max_extend_len)
+    _attention_impl(q).extend_attention(
+        q,
+        k,
+        v,
+        o,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start_loc,
+        sm_scale,
+        max_extend_len,
+    )
 
 
-def compile_extend_variants(num_heads, dtype, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
-                            extend_lens, extend_start_loc):
+def compile_extend_variants(
+    num_heads, dtype, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc
+):
     """Compiles, now, every extend-kernel variant that a step's makeup can select (the torch twin has none): see
     kernels/triton_attention.compile_extend_variants."""
-    _attention_impl(k_cache).compile_extend_variants(num_heads, dtype, k_cache, v_cache, req_to_token,
-                                                     req_pool_indices, prefix_lens, extend_lens, extend_start_loc)
+    _attention_impl(k_cache).compile_extend_variants(
+        num_heads, dtype, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc
+    )
 
 
 def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len):
@@ -142,20 +172,39 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
     # Plain decodes keep the split + merge kernels: the one-launch kernel measured slower on them
     # (H100: Qwen3-8B W1 132.0 against 128.7 us a layer, gsp 230.9 against 219.7;
     # bench/results/shared-prefix-kernel-h100.md).
-    _attention_impl(q).decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                                        max_seq_len)
+    _attention_impl(q).decode_attention(
+        q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len
+    )
 
 
 def _shared_prefix_impl(tensor):
     """The split kernels' grouped path (OPTIONS["one_launch_decode"] off)."""
     from kernels import shared_prefix_attention
+
     return shared_prefix_attention
 
 
-def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
-                             group_prefix_lens, group_prefix_rows, group_member_start, group_members,
-                             req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len, max_group_size,
-                             prefix_splits=None, max_prefix_splits=None):
+def decode_attention_grouped(
+    q,
+    k_cache,
+    v_cache,
+    o,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    group_prefix_lens,
+    group_prefix_rows,
+    group_member_start,
+    group_members,
+    req_group,
+    req_suffix_start,
+    sm_scale,
+    max_seq_len,
+    max_prefix_len,
+    max_group_size,
+    prefix_splits=None,
+    max_prefix_splits=None,
+):
     """decode_attention that reads each group's shared prefix K/V once for all its members; o in place.
 
     Group g's members, group_members[group_member_start[g]:group_member_start[g + 1]] (batch indices),
@@ -171,26 +220,61 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     one_launch = _decode_impl(q)
     if one_launch is not None:  # the one-launch kernel and the twin slice the prefixes themselves
         one_launch.decode_attention_grouped(
-            q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, group_prefix_lens, group_prefix_rows,
-            group_member_start, group_members, req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len,
-            max_group_size)
+            q,
+            k_cache,
+            v_cache,
+            o,
+            req_to_token,
+            req_pool_indices,
+            seq_lens,
+            group_prefix_lens,
+            group_prefix_rows,
+            group_member_start,
+            group_members,
+            req_group,
+            req_suffix_start,
+            sm_scale,
+            max_seq_len,
+            max_prefix_len,
+            max_group_size,
+        )
         return
     _shared_prefix_impl(q).decode_attention_grouped(
-        q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, group_prefix_lens, group_prefix_rows,
-        group_member_start, group_members, req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len,
-        max_group_size, num_prefix_splits=max_prefix_splits, prefix_splits=prefix_splits)
+        q,
+        k_cache,
+        v_cache,
+        o,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        group_prefix_lens,
+        group_prefix_rows,
+        group_member_start,
+        group_members,
+        req_group,
+        req_suffix_start,
+        sm_scale,
+        max_seq_len,
+        max_prefix_len,
+        max_group_size,
+        num_prefix_splits=max_prefix_splits,
+        prefix_splits=prefix_splits,
+    )
 
 
 def prefix_slices(num_groups, max_group_size, max_prefix_len, num_q_heads, num_kv_heads, dtype, device):
     """Slices per shared prefix that decode_attention_grouped's split kernels cut a step of these real bounds into."""
     from kernels import shared_prefix_attention
-    return shared_prefix_attention.prefix_slices(num_groups, max_group_size, max_prefix_len, num_q_heads,
-                                                 num_kv_heads, dtype, device)
+
+    return shared_prefix_attention.prefix_slices(
+        num_groups, max_group_size, max_prefix_len, num_q_heads, num_kv_heads, dtype, device
+    )
 
 
 def prefix_slices_bound(max_prefix_len):
     """The most slices prefix_slices can give under this prefix bound (a CUDA graph's grid)."""
     from kernels import shared_prefix_attention
+
     return shared_prefix_attention.prefix_slices_bound(max_prefix_len)
 
 
@@ -219,10 +303,13 @@ def _fused_impl(tensor):
         return reference
     if _fused_ops is None:
         from kernels import triton_mlp, triton_qkv, triton_skinny_linear
-        _fused_ops = types.SimpleNamespace(qk_norm_rope_store=triton_qkv.qk_norm_rope_store,
-                                           gate_up_silu=triton_mlp.gate_up_silu,
-                                           skinny_linear=triton_skinny_linear.skinny_linear,
-                                           skinny_supports=triton_skinny_linear.supports)
+
+        _fused_ops = types.SimpleNamespace(
+            qk_norm_rope_store=triton_qkv.qk_norm_rope_store,
+            gate_up_silu=triton_mlp.gate_up_silu,
+            skinny_linear=triton_skinny_linear.skinny_linear,
+            skinny_supports=triton_skinny_linear.supports,
+        )
     return _fused_ops
 
 
@@ -231,10 +318,23 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, ep
     as in Llama), rotated as rope() does, then k and v stored into their KV slots as store_kv() does. q/k/v may be
     strided views of a fused QKV output. One kernel on the GPU (OPTIONS["fused_qkv"]), else the four it replaces."""
     if _use_reference(q) or OPTIONS["fused_qkv"]:
-        return _fused_impl(q).qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache,
-                                                 v_cache, out_cache_loc)
-    reference.qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache,
-                                 out_cache_loc, ops=sys.modules[__name__])  # the four kernels it replaces
+        return _fused_impl(q).qk_norm_rope_store(
+            q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc
+        )
+    reference.qk_norm_rope_store(
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        q_weight,
+        k_weight,
+        eps,
+        k_cache,
+        v_cache,
+        out_cache_loc,
+        ops=sys.modules[__name__],
+    )  # the four kernels it replaces
 
 
 def gate_up_silu(x, weight):
@@ -248,14 +348,33 @@ def gate_up_silu(x, weight):
 def linear(x, weight, bias=None):
     """x @ weight^T (+ bias) for a projection of the model: one weight-streaming kernel on the GPU up to
     OPTIONS["skinny_linear_max_rows"] rows (at most 16) where the weight's shape allows, else cuBLAS."""
-    if (_use_reference(x) or x.numel() > min(16, OPTIONS["skinny_linear_max_rows"]) * x.shape[-1]
-            or not _fused_impl(x).skinny_supports(weight)):
+    if (
+        _use_reference(x)
+        or x.numel() > min(16, OPTIONS["skinny_linear_max_rows"]) * x.shape[-1]
+        or not _fused_impl(x).skinny_supports(weight)
+    ):
         return F.linear(x, weight, bias)
     y = _fused_impl(x).skinny_linear(x, weight)
     return y if bias is None else y + bias
 
 
-__all__ = ["BACKENDS", "OPTIONS", "set_backend", "get_backend", "configure", "store_kv", "extend_attention",
-           "compile_extend_variants",
-           "decode_attention", "decode_attention_grouped", "rmsnorm", "rope", "silu_and_mul", "qk_norm_rope_store",
-           "gate_up_silu", "linear", "prefix_slices", "prefix_slices_bound"]
+__all__ = [
+    "BACKENDS",
+    "OPTIONS",
+    "set_backend",
+    "get_backend",
+    "configure",
+    "store_kv",
+    "extend_attention",
+    "compile_extend_variants",
+    "decode_attention",
+    "decode_attention_grouped",
+    "rmsnorm",
+    "rope",
+    "silu_and_mul",
+    "qk_norm_rope_store",
+    "gate_up_silu",
+    "linear",
+    "prefix_slices",
+    "prefix_slices_bound",
+]

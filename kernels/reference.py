@@ -39,8 +39,21 @@ def _attend(q, k, v, sm_scale, prefix_len):
     return out.reshape(hkv, group, m, d).permute(2, 0, 1, 3).reshape(m, hq, d)
 
 
-def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
-                     extend_lens, extend_start_loc, sm_scale, max_extend_len):
+def extend_attention(
+    q,
+    k,
+    v,
+    o,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    prefix_lens,
+    extend_lens,
+    extend_start_loc,
+    sm_scale,
+    max_extend_len,
+):
     pools = req_pool_indices.tolist()
     prefixes = prefix_lens.tolist()
     extends = extend_lens.tolist()
@@ -61,8 +74,7 @@ def compile_extend_variants(*args):
     """Nothing to compile: the twin of kernels/triton_attention.compile_extend_variants."""
 
 
-def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale,
-                     max_seq_len):
+def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len):
     """Batched: every request's context is gathered into a [B, max_len] padded block, masked past its length.
 
     One fp32 matmul pair for the whole batch keeps the CPU server's decode step cheap; memory is
@@ -118,8 +130,9 @@ def silu_and_mul(x):
     return (F.silu(x[..., :inter].float()) * x[..., inter:].float()).to(x.dtype)
 
 
-def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc,
-                       ops=None):
+def qk_norm_rope_store(
+    q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc, ops=None
+):
     """The unfused sequence itself, in place: per-head RMSNorm of q and k (when given weights), RoPE, the K/V store.
     The same ops in the same order as the layers ran them before the fusion: on the CPU the result is bit for bit
     what it was (the norms' outputs are copied back into q/k instead of replacing them, a copy of equal dtype).
@@ -152,10 +165,27 @@ def _attend_with_lse(q, keys, values, valid, sm_scale):
     return torch.matmul(probs, values), lse
 
 
-def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens,
-                             group_prefix_lens, group_prefix_rows, group_member_start, group_members,
-                             req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len, max_group_size,
-                             num_prefix_splits=None, prefix_splits=None):
+def decode_attention_grouped(
+    q,
+    k_cache,
+    v_cache,
+    o,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    group_prefix_lens,
+    group_prefix_rows,
+    group_member_start,
+    group_members,
+    req_group,
+    req_suffix_start,
+    sm_scale,
+    max_seq_len,
+    max_prefix_len,
+    max_group_size,
+    num_prefix_splits=None,
+    prefix_splits=None,
+):
     """decode_attention, with each group's shared prefix gathered and attended once for all its members (the split
     kernels' slicing arguments change nothing here).
 
@@ -188,15 +218,16 @@ def decode_attention_grouped(q, k_cache, v_cache, o, req_to_token, req_pool_indi
     prefix_lse = torch.full_like(suffix_lse, float("-inf"))
     bounds = group_member_start.tolist()
     for g, (prefix_len, row) in enumerate(zip(group_prefix_lens.tolist(), group_prefix_rows.tolist())):
-        members = group_members[bounds[g]:bounds[g + 1]].long()
+        members = group_members[bounds[g] : bounds[g + 1]].long()
         if prefix_len == 0 or members.numel() == 0:
             continue
         pslots = req_to_token[row, :prefix_len].long()
         pkeys = k_cache[pslots].float().permute(1, 0, 2)[None]  # [1, Hkv, P, D]
         pvalues = v_cache[pslots].float().permute(1, 0, 2)[None]
         rows = qf[members].permute(1, 0, 2, 3).reshape(1, hkv, members.numel() * group, d)
-        out, lse = _attend_with_lse(rows, pkeys, pvalues, torch.ones(1, prefix_len, dtype=torch.bool,
-                                                                       device=q.device), sm_scale)
+        out, lse = _attend_with_lse(
+            rows, pkeys, pvalues, torch.ones(1, prefix_len, dtype=torch.bool, device=q.device), sm_scale
+        )
         prefix_out[members] = out.reshape(hkv, members.numel(), group, d).permute(1, 0, 2, 3)
         prefix_lse[members] = lse.reshape(hkv, members.numel(), group).permute(1, 0, 2)
 

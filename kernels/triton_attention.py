@@ -12,16 +12,25 @@ Triton would otherwise use tf32 and miss the 1e-4 tolerance.
 Block sizes, warps, stages and the decode split policy were chosen by the sweeps of
 bench/kernel_bench.py on an H100 (bench/results/kernels-h100*.md). What the attention kernels share
 (the online-softmax step, the split merge, the jit decorator that keeps values following the batch's
-makeup out of Triton's specialization key) is in kernels/triton_common.py.
+makeup out of Triton's specialization key) is in kernels/triton_common.py. This module holds the launches and
+their policy (store_kv's kernel, small, with them); the decode and extend kernels themselves are in
+kernels/triton_attention_kernels.py.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import (LOG2E, MERGE_BLOCK_S, assert_last_dim_contiguous, attend_table_range,
-                                   dot_precision, jit, load_rows, merge_partials_block, online_softmax_block,
-                                   power_of_two_at_most, sm_count, split_capacity)
+from kernels.triton_attention_kernels import _decode_merge_kernel, _decode_split_kernel, _extend_kernel
+from kernels.triton_common import (
+    LOG2E,
+    MERGE_BLOCK_S,
+    assert_last_dim_contiguous,
+    dot_precision,
+    power_of_two_at_most,
+    sm_count,
+    split_capacity,
+)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -30,11 +39,25 @@ from kernels.triton_common import (LOG2E, MERGE_BLOCK_S, assert_last_dim_contigu
 
 
 @triton.jit
-def _store_kv_kernel(K, V, K_cache, V_cache, Loc,
-                     stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_kcn, stride_kch, stride_vcn, stride_vch,
-                     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_kv_kernel(
+    K,
+    V,
+    K_cache,
+    V_cache,
+    Loc,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kcn,
+    stride_kch,
+    stride_vcn,
+    stride_vch,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     token = tl.program_id(0)
     slot = tl.load(Loc + token).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -42,10 +65,16 @@ def _store_kv_kernel(K, V, K_cache, V_cache, Loc,
     mask = (heads[:, None] < NUM_HEADS) & (dims[None, :] < HEAD_DIM)
     k = tl.load(K + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
     v = tl.load(V + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(K_cache + slot * stride_kcn + heads[:, None] * stride_kch + dims[None, :],
-             k.to(K_cache.dtype.element_ty), mask=mask)
-    tl.store(V_cache + slot * stride_vcn + heads[:, None] * stride_vch + dims[None, :],
-             v.to(V_cache.dtype.element_ty), mask=mask)
+    tl.store(
+        K_cache + slot * stride_kcn + heads[:, None] * stride_kch + dims[None, :],
+        k.to(K_cache.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        V_cache + slot * stride_vcn + heads[:, None] * stride_vch + dims[None, :],
+        v.to(V_cache.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def store_kv(k, v, k_cache, v_cache, out_cache_loc):
@@ -54,11 +83,23 @@ def store_kv(k, v, k_cache, v_cache, out_cache_loc):
         return
     assert_last_dim_contiguous(k, v, k_cache, v_cache)
     _store_kv_kernel[(n,)](
-        k, v, k_cache, v_cache, out_cache_loc,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NUM_HEADS=hkv, HEAD_DIM=d,
-        BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        out_cache_loc,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        NUM_HEADS=hkv,
+        HEAD_DIM=d,
+        BLOCK_H=triton.next_power_of_2(hkv),
+        BLOCK_D=triton.next_power_of_2(d),
         num_warps=4 if hkv * d >= 1024 else 1,
     )
 
@@ -66,80 +107,6 @@ def store_kv(k, v, k_cache, v_cache, out_cache_loc):
 # ---------------------------------------------------------------------------------------------
 # decode_attention: split-KV flash-decoding
 # ---------------------------------------------------------------------------------------------
-
-
-# The split count is a runtime int: it follows the batch size and the longest context, and a constexpr here made
-# every new pair a compile in the middle of serving (bench/kernel_variants.py).
-@jit(do_not_specialize=["num_splits"], unaligned=["Req_pool_indices", "Seq_lens"])
-def _decode_split_kernel(Q, K_cache, V_cache, Req_to_token, Req_pool_indices, Seq_lens, Mid_o, Mid_lse, O,
-                         qk_scale,
-                         stride_qb, stride_qh, stride_kn, stride_kh, stride_vn, stride_vh, stride_rt,
-                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, num_splits,
-                         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                         DOT_PRECISION: tl.constexpr):
-    # One program = one request x one KV head x one slice of the context. All query heads of the KV
-    # head ride along as the rows of the dot, so each K/V row is read from memory once per group.
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-
-    seq_len = tl.load(Seq_lens + req)
-    # Split length rounded to BLOCK_N so that only the last block of a request is ragged.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
-    if start >= end:
-        return  # the merge recomputes these bounds and skips this split
-
-    rows = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + rows
-    dims = tl.arange(0, BLOCK_D)
-    head_ok = rows < GROUP
-    dim_ok = dims < HEAD_DIM
-    q = tl.load(Q + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
-
-    table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    m_i, l_i, acc = attend_table_range(q, m_i, l_i, acc, table, start, end, K_cache + kv_head * stride_kh,
-                                       V_cache + kv_head * stride_vh, stride_kn, stride_vn, dims, dim_ok, qk_scale,
-                                       BLOCK_N, EVEN_D, DOT_PRECISION)
-
-    if num_splits == 1:  # the whole context in this program: the output directly, no partials and no merge launch
-        tl.store(O + req * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-                 (acc / l_i[:, None]).to(O.dtype.element_ty), mask=head_ok[:, None] & dim_ok[None, :])
-        return
-    out_ptr = Mid_o + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + dims[None, :]
-    tl.store(out_ptr, acc / l_i[:, None], mask=head_ok[:, None] & dim_ok[None, :])
-    tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
-
-
-@jit(do_not_specialize=["num_splits"], unaligned=["Seq_lens"])
-def _decode_merge_kernel(Mid_o, Mid_lse, O, Seq_lens,
-                         stride_mob, stride_moh, stride_mos, stride_mlb, stride_mlh, stride_ob, stride_oh, num_splits,
-                         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(Seq_lens + req)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
-    lse_base = Mid_lse + req * stride_mlb + head * stride_mlh
-    part_base = Mid_o + req * stride_mob + head * stride_moh
-    # Split 0 is never empty (seq_len >= 1), so the running max is finite after the first tile.
-    m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        splits = s0 + tl.arange(0, BLOCK_S)
-        live = (splits < num_splits) & (splits * split_len < seq_len)
-        m_i, l_i, acc = merge_partials_block(lse_base, part_base, stride_mos, splits, live, dims, dim_ok,
-                                             m_i, l_i, acc)
-    tl.store(O + req * stride_ob + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)
 
 
 # Tuned on the H100 (bench/kernel_bench.py). fp32 takes narrower blocks: its IEEE dots run on FMA units
@@ -172,8 +139,19 @@ def decode_num_splits(batch, num_kv_heads, max_seq_len, device):
     return power_of_two_at_most(splits)
 
 
-def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len,
-                     num_kv_splits=None, config=None):
+def decode_attention(
+    q,
+    k_cache,
+    v_cache,
+    o,
+    req_to_token,
+    req_pool_indices,
+    seq_lens,
+    sm_scale,
+    max_seq_len,
+    num_kv_splits=None,
+    config=None,
+):
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     if bsz == 0:
@@ -187,16 +165,39 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
     mid_o = torch.empty((bsz, hq, splits, d) if splits > 1 else (1, 1, 1, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bsz, hq, split_capacity(splits)), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(bsz, hkv, splits)](
-        q, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, mid_o, mid_lse, o,
+        q,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        mid_o,
+        mid_lse,
+        o,
         sm_scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
         req_to_token.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        o.stride(0), o.stride(1), splits,
-        GROUP=group, HEAD_DIM=d,
-        BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=cfg["BLOCK_N"],
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        splits,
+        GROUP=group,
+        HEAD_DIM=d,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=block_d,
+        BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if splits == 1:
         return
@@ -204,77 +205,29 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
     # KV head) removed this launch but measured slower at batch 1 on an H100 (Qwen3-0.6B 1.30 -> 1.33 ms a step,
     # Qwen3-8B 6.38 -> 6.46: bench/results/kernels-h100-2026-11-24b/).
     _decode_merge_kernel[(bsz, hq)](
-        mid_o, mid_lse, o, seq_lens,
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
-        o.stride(0), o.stride(1), splits,
-        HEAD_DIM=d, BLOCK_S=MERGE_BLOCK_S, BLOCK_D=block_d,
-        BLOCK_N=cfg["BLOCK_N"], num_warps=1 if block_d <= 64 else 2,
+        mid_o,
+        mid_lse,
+        o,
+        seq_lens,
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        o.stride(0),
+        o.stride(1),
+        splits,
+        HEAD_DIM=d,
+        BLOCK_S=MERGE_BLOCK_S,
+        BLOCK_D=block_d,
+        BLOCK_N=cfg["BLOCK_N"],
+        num_warps=1 if block_d <= 64 else 2,
     )
 
 
 # ---------------------------------------------------------------------------------------------
 # extend_attention: prefix through the table, then causal over the new tokens
 # ---------------------------------------------------------------------------------------------
-
-
-# num_m_blocks (the longest extend of the batch in row blocks) is a runtime int: specialised, its value 1 or a multiple
-# of 16 made a variant of its own, met or not according to the batch's makeup.
-@jit(do_not_specialize=["num_m_blocks"])
-def _extend_kernel(Q, K, V, O, K_cache, V_cache, Req_to_token, Req_pool_indices, Prefix_lens, Extend_lens,
-                   Extend_start, qk_scale, num_m_blocks,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                   stride_kcn, stride_kch, stride_vcn, stride_vch, stride_rt,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    # One program = one query head x BLOCK_M new tokens x one request. Heads vary fastest in launch
-    # order, so the programs in flight together share one request's K/V and find it in L2; the last
-    # row blocks (which see the most keys) are launched first so no long program is left for the tail.
-    head = tl.program_id(0)
-    m_block = num_m_blocks - 1 - tl.program_id(1)
-    req = tl.program_id(2)
-
-    extend_len = tl.load(Extend_lens + req)
-    first_row = m_block * BLOCK_M
-    if first_row >= extend_len:
-        return  # the grid is sized for the longest request of the batch
-    prefix_len = tl.load(Prefix_lens + req)
-    token0 = tl.load(Extend_start + req).to(tl.int64)
-    kv_head = head // GROUP
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-
-    rows = first_row + tl.arange(0, BLOCK_M)
-    row_ok = rows < extend_len
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
-    q = load_rows(Q + token0 * stride_qt + head * stride_qh, rows, stride_qt, dims, row_ok, dim_ok, True, EVEN_D)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-
-    # 1) Everything strictly before this query block: the cached prefix and the earlier new tokens,
-    #    all visible to every row. store_kv already put the new tokens' K/V into the cache, so one
-    #    gather through the table covers both. Whole blocks go unmasked; the ragged tail gets a mask.
-    table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
-    m_i, l_i, acc = attend_table_range(q, m_i, l_i, acc, table, 0, prefix_len + first_row,
-                                       K_cache + kv_head * stride_kch, V_cache + kv_head * stride_vch, stride_kcn,
-                                       stride_vcn, dims, dim_ok, qk_scale, BLOCK_N, EVEN_D, DOT_PRECISION)
-
-    # 2) The diagonal block, read from k/v directly: causal mask, and the request's last block may be ragged.
-    k_new = K + token0 * stride_kt + kv_head * stride_kh
-    v_new = V + token0 * stride_vt + kv_head * stride_vh
-    diag_end = tl.minimum(first_row + BLOCK_M, extend_len)
-    for n0 in range(first_row, diag_end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        pos_ok = pos < extend_len
-        k = load_rows(k_new, pos, stride_kt, dims, pos_ok, dim_ok, True, EVEN_D)
-        v = load_rows(v_new, pos, stride_vt, dims, pos_ok, dim_ok, True, EVEN_D)
-        causal = (pos[None, :] <= rows[:, None]) & pos_ok[None, :]
-        m_i, l_i, acc = online_softmax_block(q, k, v, causal, m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
-
-    out = (acc / l_i[:, None]).to(O.dtype.element_ty)
-    o_ptrs = O + (token0 + rows[:, None]) * stride_ot + head * stride_oh + dims[None, :]
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & dim_ok[None, :])
 
 
 # Per (dtype width, head_dim) on the GPU; chosen by the sweep in bench/kernel_bench.py.
@@ -312,8 +265,22 @@ def extend_config(dtype, head_dim, device, max_extend_len=None, programs_per_row
     return config
 
 
-def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens,
-                     extend_start_loc, sm_scale, max_extend_len, config=None):
+def extend_attention(
+    q,
+    k,
+    v,
+    o,
+    k_cache,
+    v_cache,
+    req_to_token,
+    req_pool_indices,
+    prefix_lens,
+    extend_lens,
+    extend_start_loc,
+    sm_scale,
+    max_extend_len,
+    config=None,
+):
     t, hq, d = q.shape
     bsz = extend_lens.shape[0]
     hkv = k.shape[1]
@@ -324,13 +291,40 @@ def extend_attention(q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indice
     cfg = dict(extend_config(q.dtype, d, q.device, max_extend_len, hq * bsz), **(config or {}))
     num_m_blocks = triton.cdiv(max_extend_len, cfg["BLOCK_M"])
     _extend_kernel[(hq, num_m_blocks, bsz)](
-        q, k, v, o, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc,
-        sm_scale * LOG2E, num_m_blocks,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), req_to_token.stride(0),
-        GROUP=hq // hkv, HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        q,
+        k,
+        v,
+        o,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        prefix_lens,
+        extend_lens,
+        extend_start_loc,
+        sm_scale * LOG2E,
+        num_m_blocks,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        req_to_token.stride(0),
+        GROUP=hq // hkv,
+        HEAD_DIM=d,
+        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
 
 
@@ -338,16 +332,17 @@ def extend_variants(dtype, head_dim, device):
     """Every config extend_config can pick for this dtype and head_dim, over any longest extend and grid (the
     narrowing follows products of the two, so powers of two of each reach every threshold)."""
     configs = []
-    for length in (None, *(2 ** i for i in range(17))):
-        for programs in (None, *(2 ** i for i in range(13))):
+    for length in (None, *(2**i for i in range(17))):
+        for programs in (None, *(2**i for i in range(13))):
             cfg = extend_config(dtype, head_dim, device, length, programs)
             if cfg not in configs:
                 configs.append(cfg)
     return configs
 
 
-def compile_extend_variants(num_heads, dtype, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
-                            extend_lens, extend_start_loc):
+def compile_extend_variants(
+    num_heads, dtype, k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens, extend_lens, extend_start_loc
+):
     """The extend kernel launched once in each variant a step can select (extend_variants), over one 1-token request
     whose metadata the caller laid out as a step's: all compile at start-up. Which one a step selects follows its
     makeup (longest extend, requests), which arrival timing decides; a variant first selected in the middle of
@@ -356,5 +351,19 @@ def compile_extend_variants(num_heads, dtype, k_cache, v_cache, req_to_token, re
     q = torch.zeros(1, num_heads, d, dtype=dtype, device=k_cache.device)
     k = torch.zeros(1, hkv, d, dtype=k_cache.dtype, device=k_cache.device)
     for cfg in extend_variants(dtype, d, k_cache.device):
-        extend_attention(q, k, k, torch.empty_like(q), k_cache, v_cache, req_to_token, req_pool_indices, prefix_lens,
-                         extend_lens, extend_start_loc, 1.0, 1, config=cfg)
+        extend_attention(
+            q,
+            k,
+            k,
+            torch.empty_like(q),
+            k_cache,
+            v_cache,
+            req_to_token,
+            req_pool_indices,
+            prefix_lens,
+            extend_lens,
+            extend_start_loc,
+            1.0,
+            1,
+            config=cfg,
+        )

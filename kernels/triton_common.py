@@ -82,8 +82,25 @@ def load_rows(Base, rows, stride_row, dims, row_ok, dim_ok, MASK_ROWS: tl.conste
 
 
 @triton.jit
-def attend_table_range(q, m_i, l_i, acc, table, start, end, k_base, v_base, stride_kn, stride_vn, dims, dim_ok,
-                       qk_scale, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def attend_table_range(
+    q,
+    m_i,
+    l_i,
+    acc,
+    table,
+    start,
+    end,
+    k_base,
+    v_base,
+    stride_kn,
+    stride_vn,
+    dims,
+    dim_ok,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """The split-KV loop of every attention kernel: context positions [start, end) of one table row (a request's, or
     a shared prefix's), gathered through their KV slots for one KV head (k_base, v_base), folded into the running
     softmax (m_i, l_i, acc) of the query rows q. Whole blocks go unmasked; only the ragged tail pays for a mask."""
@@ -101,8 +118,7 @@ def attend_table_range(q, m_i, l_i, acc, table, start, end, k_base, v_base, stri
         slots = tl.load(table + pos, mask=pos_ok, other=0).to(tl.int64)
         k = load_rows(k_base, slots, stride_kn, dims, pos_ok, dim_ok, True, EVEN_D)
         v = load_rows(v_base, slots, stride_vn, dims, pos_ok, dim_ok, True, EVEN_D)
-        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale, True,
-                                             DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_block(q, k, v, pos_ok[None, :], m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
     return m_i, l_i, acc
 
 

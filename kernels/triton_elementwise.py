@@ -11,9 +11,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rmsnorm_kernel(X, Residual, Weight, Out, Hidden_out, eps,
-                    stride_x, stride_r, stride_o, stride_h,
-                    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def _rmsnorm_kernel(
+    X,
+    Residual,
+    Weight,
+    Out,
+    Hidden_out,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_h,
+    N: tl.constexpr,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -21,7 +33,7 @@ def _rmsnorm_kernel(X, Residual, Weight, Out, Hidden_out, eps,
     if HAS_RESIDUAL:
         # Round the sum to the storage dtype before normalising, as the unfused `x + residual` would:
         # the next layer adds to the stored h, so the norm must see the same h.
-        x = (x.to(tl.float32) + tl.load(Residual + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(Residual + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
         x = x.to(Hidden_out.dtype.element_ty)
         tl.store(Hidden_out + row * stride_h + cols, x, mask=ok)
     xf = x.to(tl.float32)
@@ -47,21 +59,47 @@ def rmsnorm(x, weight, eps, residual=None):
     block = triton.next_power_of_2(n)
     if residual is None:
         if rows:
-            _rmsnorm_kernel[(rows,)](x2, x2, weight, out, out, eps, x2.stride(0), 0, out.stride(0), 0,
-                                     N=n, BLOCK=block, HAS_RESIDUAL=False, num_warps=_row_warps(block))
+            _rmsnorm_kernel[(rows,)](
+                x2,
+                x2,
+                weight,
+                out,
+                out,
+                eps,
+                x2.stride(0),
+                0,
+                out.stride(0),
+                0,
+                N=n,
+                BLOCK=block,
+                HAS_RESIDUAL=False,
+                num_warps=_row_warps(block),
+            )
         return out.view(shape)
     r2 = _rows_view(residual)
     hidden = torch.empty_like(out)
     if rows:
-        _rmsnorm_kernel[(rows,)](x2, r2, weight, out, hidden, eps, x2.stride(0), r2.stride(0), out.stride(0),
-                                 hidden.stride(0), N=n, BLOCK=block, HAS_RESIDUAL=True,
-                                 num_warps=_row_warps(block))
+        _rmsnorm_kernel[(rows,)](
+            x2,
+            r2,
+            weight,
+            out,
+            hidden,
+            eps,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            hidden.stride(0),
+            N=n,
+            BLOCK=block,
+            HAS_RESIDUAL=True,
+            num_warps=_row_warps(block),
+        )
     return out.view(shape), hidden.view(shape)
 
 
 @triton.jit
-def _rotate_heads(X, stride_h, num_heads, cos, sin, halves, half_ok,
-                  HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+def _rotate_heads(X, stride_h, num_heads, cos, sin, halves, half_ok, HALF: tl.constexpr, BLOCK_HEADS: tl.constexpr):
     heads = tl.arange(0, BLOCK_HEADS)
     mask = (heads[:, None] < num_heads) & half_ok[None, :]
     ptr1 = X + heads[:, None] * stride_h + halves[None, :]
@@ -72,9 +110,23 @@ def _rotate_heads(X, stride_h, num_heads, cos, sin, halves, half_ok,
 
 
 @triton.jit
-def _rope_kernel(Q, K, Positions, Cos_sin, stride_qt, stride_qh, stride_kt, stride_kh, stride_cs,
-                 num_q_heads, num_kv_heads,
-                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr):
+def _rope_kernel(
+    Q,
+    K,
+    Positions,
+    Cos_sin,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cs,
+    num_q_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+):
     # One program per token: its cos/sin row is loaded once and applied to every q and k head.
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(Positions + token).to(tl.int64)
@@ -94,11 +146,24 @@ def rope(q, k, positions, cos_sin_cache):
     half = cos_sin_cache.shape[-1] // 2
     if t == 0:
         return
-    _rope_kernel[(t,)](q, k, positions, cos_sin_cache, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                       cos_sin_cache.stride(0), hq, hkv,
-                       HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-                       BLOCK_QH=triton.next_power_of_2(hq), BLOCK_KH=triton.next_power_of_2(hkv),
-                       num_warps=4 if hq * half >= 1024 else 1)
+    _rope_kernel[(t,)](
+        q,
+        k,
+        positions,
+        cos_sin_cache,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        cos_sin_cache.stride(0),
+        hq,
+        hkv,
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_QH=triton.next_power_of_2(hq),
+        BLOCK_KH=triton.next_power_of_2(hkv),
+        num_warps=4 if hq * half >= 1024 else 1,
+    )
 
 
 @triton.jit
@@ -120,7 +185,7 @@ def silu_and_mul(x):
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     block = min(1024, triton.next_power_of_2(inter))
     if rows:
-        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](x2, out, x2.stride(0), out.stride(0),
-                                                                 INTER=inter, BLOCK=block,
-                                                                 num_warps=max(1, min(8, block // 128)))
+        _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
+            x2, out, x2.stride(0), out.stride(0), INTER=inter, BLOCK=block, num_warps=max(1, min(8, block // 128))
+        )
     return out.view(*shape[:-1], inter)

@@ -16,9 +16,21 @@ from kernels.triton_common import dot_precision, jit
 
 
 @jit(do_not_specialize=["rows"])
-def _gate_up_silu_kernel(X, W, Out, rows, stride_xm, stride_wn, stride_om,
-                         INTER: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _gate_up_silu_kernel(
+    X,
+    W,
+    Out,
+    rows,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    INTER: tl.constexpr,
+    HIDDEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     EVEN_K: tl.constexpr = HIDDEN % BLOCK_K == 0
@@ -51,8 +63,11 @@ def _gate_up_silu_kernel(X, W, Out, rows, stride_xm, stride_wn, stride_om,
     gate = acc_gate.to(Out.dtype.element_ty).to(tl.float32)
     up = acc_up.to(Out.dtype.element_ty).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up
-    tl.store(Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], out.to(Out.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=m_ok[:, None] & n_ok[None, :],
+    )
 
 
 # A weight-streaming tile: 16 rows (the smallest tensor-core tile), narrow column blocks so that 2I / 2 / BLOCK_N
@@ -83,8 +98,20 @@ def gate_up_silu(x, weight, config=None):
     if rows:
         cfg = dict(gate_up_config(x.dtype, x.device), **(config or {}))
         _gate_up_silu_kernel[(triton.cdiv(inter, cfg["BLOCK_N"]), triton.cdiv(rows, cfg["BLOCK_M"]))](
-            x2, weight, out, rows, x2.stride(0), weight.stride(0), out.stride(0),
-            INTER=inter, HIDDEN=hidden, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+            x2,
+            weight,
+            out,
+            rows,
+            x2.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            INTER=inter,
+            HIDDEN=hidden,
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"],
+            DOT_PRECISION=dot_precision(x.dtype),
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
     return out.view(*shape[:-1], inter)
-

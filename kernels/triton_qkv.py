@@ -15,9 +15,25 @@ from kernels.triton_common import jit
 
 
 @triton.jit
-def _norm_and_rotate(X, stride_h, num_heads, Weight, eps, cos, sin, halves, half_ok, rest, rest_ok,
-                     HAS_NORM: tl.constexpr, HAS_REST: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr,
-                     HEAD_DIM: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+def _norm_and_rotate(
+    X,
+    stride_h,
+    num_heads,
+    Weight,
+    eps,
+    cos,
+    sin,
+    halves,
+    half_ok,
+    rest,
+    rest_ok,
+    HAS_NORM: tl.constexpr,
+    HAS_REST: tl.constexpr,
+    HALF: tl.constexpr,
+    ROT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
     """The heads of one token, normalised (HAS_NORM) and rotated: (first halves, second halves, unrotated rest) in
     the storage dtype, and the head mask. The rotated halves are loaded as two tiles so that each element meets its
     rotation partner in the same thread."""
@@ -49,8 +65,22 @@ def _norm_and_rotate(X, stride_h, num_heads, Weight, eps, cos, sin, halves, half
 
 
 @triton.jit
-def _store_heads(Base, stride_h, out1, out2, out3, head_ok, halves, half_ok, rest, rest_ok,
-                 HAS_REST: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, BLOCK_HEADS: tl.constexpr):
+def _store_heads(
+    Base,
+    stride_h,
+    out1,
+    out2,
+    out3,
+    head_ok,
+    halves,
+    half_ok,
+    rest,
+    rest_ok,
+    HAS_REST: tl.constexpr,
+    HALF: tl.constexpr,
+    ROT: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
     heads = tl.arange(0, BLOCK_HEADS)
     base = Base + heads[:, None] * stride_h
     mask = head_ok[:, None] & half_ok[None, :]
@@ -62,13 +92,40 @@ def _store_heads(Base, stride_h, out1, out2, out3, head_ok, halves, half_ok, res
 
 # Positions and slots arrive as slices of per-step buffers: exempt from alignment specialisation.
 @jit(unaligned=["Positions", "Loc"])
-def _qk_norm_rope_store_kernel(Q, K, V, Positions, Cos_sin, Q_weight, K_weight, K_cache, V_cache, Loc, eps,
-                               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs,
-                               stride_kcn, stride_kch, stride_vcn, stride_vch,
-                               NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                               HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                               BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr, BLOCK_D: tl.constexpr,
-                               HAS_NORM: tl.constexpr):
+def _qk_norm_rope_store_kernel(
+    Q,
+    K,
+    V,
+    Positions,
+    Cos_sin,
+    Q_weight,
+    K_weight,
+    K_cache,
+    V_cache,
+    Loc,
+    eps,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cs,
+    stride_kcn,
+    stride_kch,
+    stride_vcn,
+    stride_vch,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
     token = tl.program_id(0).to(tl.int64)
     ROT: tl.constexpr = 2 * HALF
     HAS_REST: tl.constexpr = ROT < HEAD_DIM
@@ -80,26 +137,103 @@ def _qk_norm_rope_store_kernel(Q, K, V, Positions, Cos_sin, Q_weight, K_weight, 
     cos = tl.load(Cos_sin + pos * stride_cs + halves, mask=half_ok, other=0.0).to(tl.float32)
     sin = tl.load(Cos_sin + pos * stride_cs + HALF + halves, mask=half_ok, other=0.0).to(tl.float32)
 
-    q1, q2, q3, q_ok = _norm_and_rotate(Q + token * stride_qt, stride_qh, NUM_Q_HEADS, Q_weight, eps, cos, sin,
-                                        halves, half_ok, rest, rest_ok, HAS_NORM, HAS_REST, HALF, ROT, HEAD_DIM,
-                                        BLOCK_QH)
-    _store_heads(Q + token * stride_qt, stride_qh, q1, q2, q3, q_ok, halves, half_ok, rest, rest_ok, HAS_REST, HALF,
-                 ROT, BLOCK_QH)
-    k1, k2, k3, k_ok = _norm_and_rotate(K + token * stride_kt, stride_kh, NUM_KV_HEADS, K_weight, eps, cos, sin,
-                                        halves, half_ok, rest, rest_ok, HAS_NORM, HAS_REST, HALF, ROT, HEAD_DIM,
-                                        BLOCK_KH)
-    _store_heads(K + token * stride_kt, stride_kh, k1, k2, k3, k_ok, halves, half_ok, rest, rest_ok, HAS_REST, HALF,
-                 ROT, BLOCK_KH)
+    q1, q2, q3, q_ok = _norm_and_rotate(
+        Q + token * stride_qt,
+        stride_qh,
+        NUM_Q_HEADS,
+        Q_weight,
+        eps,
+        cos,
+        sin,
+        halves,
+        half_ok,
+        rest,
+        rest_ok,
+        HAS_NORM,
+        HAS_REST,
+        HALF,
+        ROT,
+        HEAD_DIM,
+        BLOCK_QH,
+    )
+    _store_heads(
+        Q + token * stride_qt,
+        stride_qh,
+        q1,
+        q2,
+        q3,
+        q_ok,
+        halves,
+        half_ok,
+        rest,
+        rest_ok,
+        HAS_REST,
+        HALF,
+        ROT,
+        BLOCK_QH,
+    )
+    k1, k2, k3, k_ok = _norm_and_rotate(
+        K + token * stride_kt,
+        stride_kh,
+        NUM_KV_HEADS,
+        K_weight,
+        eps,
+        cos,
+        sin,
+        halves,
+        half_ok,
+        rest,
+        rest_ok,
+        HAS_NORM,
+        HAS_REST,
+        HALF,
+        ROT,
+        HEAD_DIM,
+        BLOCK_KH,
+    )
+    _store_heads(
+        K + token * stride_kt,
+        stride_kh,
+        k1,
+        k2,
+        k3,
+        k_ok,
+        halves,
+        half_ok,
+        rest,
+        rest_ok,
+        HAS_REST,
+        HALF,
+        ROT,
+        BLOCK_KH,
+    )
     # int64: slot * stride overflows int32 once the pool holds more than ~2M head-rows.
     slot = tl.load(Loc + token).to(tl.int64)
-    _store_heads(K_cache + slot * stride_kcn, stride_kch, k1, k2, k3, k_ok, halves, half_ok, rest, rest_ok, HAS_REST,
-                 HALF, ROT, BLOCK_KH)
+    _store_heads(
+        K_cache + slot * stride_kcn,
+        stride_kch,
+        k1,
+        k2,
+        k3,
+        k_ok,
+        halves,
+        half_ok,
+        rest,
+        rest_ok,
+        HAS_REST,
+        HALF,
+        ROT,
+        BLOCK_KH,
+    )
     heads = tl.arange(0, BLOCK_KH)
     dims = tl.arange(0, BLOCK_D)
     v_mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
     v = tl.load(V + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=v_mask)
-    tl.store(V_cache + slot * stride_vcn + heads[:, None] * stride_vch + dims[None, :],
-             v.to(V_cache.dtype.element_ty), mask=v_mask)
+    tl.store(
+        V_cache + slot * stride_vcn + heads[:, None] * stride_vch + dims[None, :],
+        v.to(V_cache.dtype.element_ty),
+        mask=v_mask,
+    )
 
 
 def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc):
@@ -112,12 +246,37 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, ep
     half = cos_sin_cache.shape[-1] // 2
     has_norm = q_weight is not None
     _qk_norm_rope_store_kernel[(t,)](
-        q, k, v, positions, cos_sin_cache, q_weight if has_norm else q, k_weight if has_norm else k, k_cache,
-        v_cache, out_cache_loc, eps,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_sin_cache.stride(0),
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-        NUM_Q_HEADS=hq, NUM_KV_HEADS=hkv, HEAD_DIM=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
-        BLOCK_REST=triton.next_power_of_2(max(1, d - 2 * half)), BLOCK_QH=triton.next_power_of_2(hq),
-        BLOCK_KH=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d), HAS_NORM=has_norm,
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        q_weight if has_norm else q,
+        k_weight if has_norm else k,
+        k_cache,
+        v_cache,
+        out_cache_loc,
+        eps,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin_cache.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        NUM_Q_HEADS=hq,
+        NUM_KV_HEADS=hkv,
+        HEAD_DIM=d,
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_REST=triton.next_power_of_2(max(1, d - 2 * half)),
+        BLOCK_QH=triton.next_power_of_2(hq),
+        BLOCK_KH=triton.next_power_of_2(hkv),
+        BLOCK_D=triton.next_power_of_2(d),
+        HAS_NORM=has_norm,
         num_warps=4 if hq * d >= 2048 else 1,
     )

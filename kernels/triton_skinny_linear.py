@@ -19,9 +19,24 @@ from kernels.triton_common import dot_precision, jit, sm_count, zeroed_counters
 
 
 @jit(do_not_specialize=["rows"])
-def _skinny_linear_kernel(X, W, Out, Partials, Counters, rows, stride_xm, stride_wn, stride_om,
-                          N: tl.constexpr, K: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _skinny_linear_kernel(
+    X,
+    W,
+    Out,
+    Partials,
+    Counters,
+    rows,
+    stride_xm,
+    stride_wn,
+    stride_om,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     K_PER_SPLIT: tl.constexpr = K // SPLITS  # the host picks SPLITS that divide K into whole BLOCK_K steps
@@ -61,8 +76,7 @@ def _skinny_linear_kernel(X, W, Out, Partials, Counters, rows, stride_xm, stride
 SKINNY_CONFIG = {
     "16bit": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 5, "programs_per_sm": 1},
     "fp32": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2, "programs_per_sm": 2},
-    "interpret": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1,
-                  "programs_per_sm": 2},
+    "interpret": {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1, "programs_per_sm": 2},
 }
 MAX_SPLITS = 16
 
@@ -79,8 +93,7 @@ def num_splits(n: int, k: int, cfg: dict, device) -> int:
     column_blocks = triton.cdiv(n, cfg["BLOCK_N"])
     target = cfg["programs_per_sm"] * sm_count(device)  # (4 "SMs" for the interpreter)
     splits = 1
-    while (splits * 2 <= MAX_SPLITS and column_blocks * splits * 2 <= target
-           and k % (splits * 2 * cfg["BLOCK_K"]) == 0):
+    while splits * 2 <= MAX_SPLITS and column_blocks * splits * 2 <= target and k % (splits * 2 * cfg["BLOCK_K"]) == 0:
         splits *= 2
     return splits
 
@@ -106,11 +119,27 @@ def skinny_linear(x, weight, config=None, splits=None):
     if rows:
         column_blocks = triton.cdiv(n, cfg["BLOCK_N"])
         splits = splits or num_splits(n, k, cfg, x.device)
-        partials = torch.empty((splits, cfg["BLOCK_M"], n) if splits > 1 else (1,), dtype=torch.float32,
-                               device=x.device)
+        partials = torch.empty(
+            (splits, cfg["BLOCK_M"], n) if splits > 1 else (1,), dtype=torch.float32, device=x.device
+        )
         _skinny_linear_kernel[(column_blocks, splits)](
-            x2, weight, out, partials, zeroed_counters(x.device, column_blocks), rows, x2.stride(0), weight.stride(0),
-            out.stride(0), N=n, K=k, SPLITS=splits, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_K=cfg["BLOCK_K"], DOT_PRECISION=dot_precision(x.dtype), num_warps=cfg["num_warps"],
-            num_stages=cfg["num_stages"])
+            x2,
+            weight,
+            out,
+            partials,
+            zeroed_counters(x.device, column_blocks),
+            rows,
+            x2.stride(0),
+            weight.stride(0),
+            out.stride(0),
+            N=n,
+            K=k,
+            SPLITS=splits,
+            BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_K=cfg["BLOCK_K"],
+            DOT_PRECISION=dot_precision(x.dtype),
+            num_warps=cfg["num_warps"],
+            num_stages=cfg["num_stages"],
+        )
     return out.view(*shape[:-1], n)

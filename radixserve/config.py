@@ -1,4 +1,5 @@
-"""Every server flag in one place (ServerArgs) and the model shape read from an HF config.json (ModelConfig).
+"""Every server flag in one place (ServerArgs); their rules are in server_args_rules.py, the model shape read from
+an HF config.json (ModelConfig) in model_config.py.
 
 torch is imported only inside the functions that need it: the HTTP process parses these flags too, and loading
 torch there would cost it ~1 s of startup and hundreds of MB for nothing.
@@ -8,11 +9,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from radixserve.server_args_rules import apply_rules
 
 if TYPE_CHECKING:
     import torch
@@ -28,10 +28,16 @@ class ServerArgs:
     model: str | None = _flag(None, "HF model directory (config.json + safetensors). Default: the SmolLM2 demo model.")
     tokenizer: str | None = _flag(None, "Tokenizer directory (default: the model directory).")
     served_model_name: str | None = _flag(None, "Model name reported by /v1/models (default: the directory name).")
-    load_format: str = _flag("auto", "auto|safetensors|dummy (random weights from config.json alone).",
-                             choices=["auto", "safetensors", "dummy"])
-    dtype: str = _flag("auto", "auto|float32|float16|bfloat16 (auto: bf16 on GPU, fp32 on CPU).",
-                       choices=["auto", "float32", "float16", "bfloat16"])
+    load_format: str = _flag(
+        "auto",
+        "auto|safetensors|dummy (random weights from config.json alone).",
+        choices=["auto", "safetensors", "dummy"],
+    )
+    dtype: str = _flag(
+        "auto",
+        "auto|float32|float16|bfloat16 (auto: bf16 on GPU, fp32 on CPU).",
+        choices=["auto", "float32", "float16", "bfloat16"],
+    )
     device: str = _flag("auto", "auto|cpu|cuda.", choices=["auto", "cpu", "cuda"])
     context_length: int | None = _flag(None, "Override the model's max_position_embeddings.")
     seed: int = _flag(0, "Seed for dummy weights and unseeded sampling.")
@@ -39,254 +45,323 @@ class ServerArgs:
     tp_size: int = _flag(1, "Tensor-parallel degree (one worker process per rank).")
     nnodes: int = _flag(1, "Number of nodes for multi-node tensor parallelism.")
     node_rank: int = _flag(0, "This node's rank among --nnodes.")
-    dp_size: int = _flag(1, "Data-parallel replicas: scheduler + --tp-size workers each, with its own radix cache, "
-                            "behind the one front end.")
-    load_balance_method: str = _flag("cache_aware", "How the front end picks a replica (--dp-size > 1): cache_aware "
-                                                    "(longest cached prefix, unless load is too uneven) | round_robin "
-                                                    "| shortest_queue.",
-                                     choices=["cache_aware", "round_robin", "shortest_queue"])
+    dp_size: int = _flag(
+        1,
+        "Data-parallel replicas: scheduler + --tp-size workers each, with its own radix cache, "
+        "behind the one front end.",
+    )
+    load_balance_method: str = _flag(
+        "cache_aware",
+        "How the front end picks a replica (--dp-size > 1): cache_aware "
+        "(longest cached prefix, unless load is too uneven) | round_robin "
+        "| shortest_queue.",
+        choices=["cache_aware", "round_robin", "shortest_queue"],
+    )
     base_gpu_id: int = _flag(0, "First GPU to use; replica i's rank r runs on GPU base + i * tp_size + r.")
-    dist_init_addr: str | None = _flag(None, "host:port of the torch.distributed rendezvous (multi-node); node 0 "
-                                             "also binds the next ports for its links to the other nodes.")
-    dist_timeout: float | None = _flag(None, "Multi-node: seconds a node may take to join, and may go silent before "
-                                             "the server stops (default 600 to join, 30 silent).")
-    dist_secret_file: str | None = _flag(None, "Multi-node: file whose first line is the secret every node shares "
-                                               "(else $RADIXSERVE_DIST_SECRET); links between nodes need it.")
+    dist_init_addr: str | None = _flag(
+        None,
+        "host:port of the torch.distributed rendezvous (multi-node); node 0 "
+        "also binds the next ports for its links to the other nodes.",
+    )
+    dist_timeout: float | None = _flag(
+        None,
+        "Multi-node: seconds a node may take to join, and may go silent before "
+        "the server stops (default 600 to join, 30 silent).",
+    )
+    dist_secret_file: str | None = _flag(
+        None,
+        "Multi-node: file whose first line is the secret every node shares "
+        "(else $RADIXSERVE_DIST_SECRET); links between nodes need it.",
+    )
     # Memory
-    max_total_tokens: int | None = _flag(None, "KV cache size in tokens (default: from --mem-fraction-static on GPU, "
-                                               "16384 on CPU).")
+    max_total_tokens: int | None = _flag(
+        None, "KV cache size in tokens (default: from --mem-fraction-static on GPU, 16384 on CPU)."
+    )
     mem_fraction_static: float = _flag(0.85, "Fraction of GPU memory for weights + KV cache.")
     max_running_requests: int = _flag(256, "Most requests decoding at once (rows of req_to_token).")
-    hicache_size: float = _flag(0.0, "GB of host memory per tensor-parallel rank for a second KV tier: prefixes "
-                                     "evicted from the device pool are copied there and copied back on a later hit "
-                                     "instead of being computed again (pinned memory on CUDA). 0 turns it off.")
+    hicache_size: float = _flag(
+        0.0,
+        "GB of host memory per tensor-parallel rank for a second KV tier: prefixes "
+        "evicted from the device pool are copied there and copied back on a later hit "
+        "instead of being computed again (pinned memory on CUDA). 0 turns it off.",
+    )
     # Contexts longer than the GPU KV pool (radixserve/worker/layerwise_offload.py, scheduler_service/long_context.py)
-    enable_layerwise_offload: bool = _flag(False, "Serve requests whose prompt + max_tokens exceed the GPU KV pool, up "
-                                                  "to --context-length, with their KV in the host pool of "
-                                                  "--hicache-size: the model runs them one layer at a time, "
-                                                  "streaming each layer's KV between host and GPU, in steps "
-                                                  "interleaved with the ordinary ones.")
-    layerwise_offload_chunk_size: int | None = _flag(None, "Tokens of a long prompt per chunk of its layer-at-a-time "
-                                                           "prefill (default --chunked-prefill-size).")
-    layerwise_offload_ring_size: int = _flag(2, "GPU buffers of one layer's KV each (>= 2): while one computes, the "
-                                                "next layers' KV streams in from the host.")
-    layerwise_offload_buffer_tokens: int | None = _flag(None, "Tokens each ring buffer holds (default the context "
-                                                              "length): long requests decode together when their "
-                                                              "contexts fit one buffer side by side.")
-    layerwise_offload_units_per_step: int = _flag(4, "Bound on a long request's step, in units of one chunk (or one "
-                                                     "decode batch) through one layer: ordinary requests wait at most "
-                                                     "one such step between two of theirs. 0: a whole layer of a "
-                                                     "prefill, a whole decode token.")
+    enable_layerwise_offload: bool = _flag(
+        False,
+        "Serve requests whose prompt + max_tokens exceed the GPU KV pool, up "
+        "to --context-length, with their KV in the host pool of "
+        "--hicache-size: the model runs them one layer at a time, "
+        "streaming each layer's KV between host and GPU, in steps "
+        "interleaved with the ordinary ones.",
+    )
+    layerwise_offload_chunk_size: int | None = _flag(
+        None, "Tokens of a long prompt per chunk of its layer-at-a-time prefill (default --chunked-prefill-size)."
+    )
+    layerwise_offload_ring_size: int = _flag(
+        2,
+        "GPU buffers of one layer's KV each (>= 2): while one computes, the next layers' KV streams in from the host.",
+    )
+    layerwise_offload_buffer_tokens: int | None = _flag(
+        None,
+        "Tokens each ring buffer holds (default the context "
+        "length): long requests decode together when their "
+        "contexts fit one buffer side by side.",
+    )
+    layerwise_offload_units_per_step: int = _flag(
+        4,
+        "Bound on a long request's step, in units of one chunk (or one "
+        "decode batch) through one layer: ordinary requests wait at most "
+        "one such step between two of theirs. 0: a whole layer of a "
+        "prefill, a whole decode token.",
+    )
     # Scheduling
-    chunked_prefill_size: int | None = _flag(None, "Most new prompt tokens per step (default 8192 on GPU, 512 on CPU; "
-                                                   "-1 disables chunking).")
+    chunked_prefill_size: int | None = _flag(
+        None, "Most new prompt tokens per step (default 8192 on GPU, 512 on CPU; -1 disables chunking)."
+    )
     disable_mixed_batch: bool = _flag(False, "Do not mix prefill chunks with decodes in one forward.")
-    disable_overlap_schedule: bool = _flag(False, "Build and send step N+1 only after step N's tokens are back "
-                                                  "(serial loop; by default N+1 is built while N runs).")
-    disable_incremental_decode_batch: bool = _flag(False, "Rebuild every decode batch from its requests instead of "
-                                                          "advancing the last one's arrays while the running set "
-                                                          "stays the same (ablation, debugging).")
+    disable_overlap_schedule: bool = _flag(
+        False,
+        "Build and send step N+1 only after step N's tokens are back "
+        "(serial loop; by default N+1 is built while N runs).",
+    )
+    disable_incremental_decode_batch: bool = _flag(
+        False,
+        "Rebuild every decode batch from its requests instead of "
+        "advancing the last one's arrays while the running set "
+        "stays the same (ablation, debugging).",
+    )
     disable_radix_cache: bool = _flag(False, "No prefix reuse (ablation).")
     schedule_policy: str = _flag("lpm", "lpm (longest cached prefix first) | fcfs.", choices=["lpm", "fcfs"])
     max_wait_steps: int = _flag(64, "A waiting request older than this many steps goes first (no starvation).")
-    enable_priority_scheduling: bool = _flag(False, "Admit waiting requests by their `priority` field, higher values "
-                                                    "first (SGLang's order), but one waiting more than "
-                                                    "--max-wait-steps steps before any fresher one (the aging bound). "
-                                                    "Without it a non-zero priority is refused with a 400, as vLLM "
-                                                    "does.")
+    enable_priority_scheduling: bool = _flag(
+        False,
+        "Admit waiting requests by their `priority` field, higher values "
+        "first (SGLang's order), but one waiting more than "
+        "--max-wait-steps steps before any fresher one (the aging bound). "
+        "Without it a non-zero priority is refused with a 400, as vLLM "
+        "does.",
+    )
     init_new_token_ratio: float = _flag(0.7, "Initial share of max_new_tokens reserved for decoding at admission.")
     min_new_token_ratio: float = _flag(0.1, "Floor of that share as observed outputs let it shrink.")
     new_token_ratio_decay: float = _flag(0.001, "How much the share shrinks per step without retraction.")
     # Cache control (pins: scheduler_service/cache_control.py; salts: the requests' cache_salt)
-    radix_eviction_policy: str = _flag("lru", "Which unlocked cached prefixes go first when KV is needed: lru (least "
-                                              "recently used) | lfu (fewest hits) | priority (lowest request "
-                                              "priority, then LRU).", choices=["lru", "lfu", "priority"])
-    pin_prompts: str | None = _flag(None, "JSON-lines file of prompts pinned at start-up, one object a line, as the "
-                                          "body of POST /v1/cache/pin: messages | prompt | input_ids, optional "
-                                          "ttl_seconds and cache_salt.")
-    max_pinned_tokens: int | None = _flag(None, "Most KV tokens that pins may hold (a pin beyond it is a 409). "
-                                                "Default: half the KV pool; 0 turns pinning off.")
-    require_cache_salt: bool = _flag(False, "Refuse (400) generating and pinning requests without a cache_salt, so "
-                                            "that no tenant shares cached KV with another by accident.")
+    radix_eviction_policy: str = _flag(
+        "lru",
+        "Which unlocked cached prefixes go first when KV is needed: lru (least "
+        "recently used) | lfu (fewest hits) | priority (lowest request "
+        "priority, then LRU).",
+        choices=["lru", "lfu", "priority"],
+    )
+    pin_prompts: str | None = _flag(
+        None,
+        "JSON-lines file of prompts pinned at start-up, one object a line, as the "
+        "body of POST /v1/cache/pin: messages | prompt | input_ids, optional "
+        "ttl_seconds and cache_salt.",
+    )
+    max_pinned_tokens: int | None = _flag(
+        None,
+        "Most KV tokens that pins may hold (a pin beyond it is a 409). Default: half the KV pool; 0 turns pinning off.",
+    )
+    require_cache_salt: bool = _flag(
+        False,
+        "Refuse (400) generating and pinning requests without a cache_salt, so "
+        "that no tenant shares cached KV with another by accident.",
+    )
     # Kernels
-    kernel_backend: str = _flag("auto", "auto|triton|reference (torch twins, for ablations).",
-                                choices=["auto", "triton", "reference"])
+    kernel_backend: str = _flag(
+        "auto", "auto|triton|reference (torch twins, for ablations).", choices=["auto", "triton", "reference"]
+    )
     disable_cuda_graph: bool = _flag(False, "Run decode steps eagerly instead of replaying captured CUDA graphs.")
-    disable_pinned_staging: bool = _flag(False, "Copy each step's index arrays to the GPU from pageable memory (waits "
-                                               "for the stream) instead of through pinned buffers (ablation).")
-    cpu_logits_block_mib: int = _flag(8, "CPU workers: logits into a buffer kept across steps and sampled in row "
-                                         "blocks of at most this many MiB, so that memory stays flat (0: the whole "
-                                         "batch at once, fresh tensors every step).")
+    disable_pinned_staging: bool = _flag(
+        False,
+        "Copy each step's index arrays to the GPU from pageable memory (waits "
+        "for the stream) instead of through pinned buffers (ablation).",
+    )
+    cpu_logits_block_mib: int = _flag(
+        8,
+        "CPU workers: logits into a buffer kept across steps and sampled in row "
+        "blocks of at most this many MiB, so that memory stays flat (0: the whole "
+        "batch at once, fresh tensors every step).",
+    )
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph (larger ones run eagerly).")
-    disable_prefill_cuda_graph: bool = _flag(False, "Run prefill and mixed steps eagerly instead of replaying "
-                                                    "piecewise CUDA graphs (attention eager between captured "
-                                                    "pieces; radixserve/worker/prefill_cuda_graph.py).")
-    prefill_cuda_graph_max_tokens: int = _flag(2048, "Largest step (new tokens) that replays piecewise prefill CUDA "
-                                                     "graphs; larger steps run eagerly.")
+    disable_prefill_cuda_graph: bool = _flag(
+        False,
+        "Run prefill and mixed steps eagerly instead of replaying "
+        "piecewise CUDA graphs (attention eager between captured "
+        "pieces; radixserve/worker/prefill_cuda_graph.py).",
+    )
+    prefill_cuda_graph_max_tokens: int = _flag(
+        2048, "Largest step (new tokens) that replays piecewise prefill CUDA graphs; larger steps run eagerly."
+    )
     # Off by default: faster in isolation on the H100, slower end to end (bench/results/kernels-h100-2026-11-24/).
-    enable_one_launch_decode: bool = _flag(False, "Shared-prefix decode attention in one launch "
-                                                  "(kernels/one_launch_decode.py) instead of prefix, suffix and merge "
-                                                  "kernels.")
+    enable_one_launch_decode: bool = _flag(
+        False,
+        "Shared-prefix decode attention in one launch "
+        "(kernels/one_launch_decode.py) instead of prefix, suffix and merge "
+        "kernels.",
+    )
     # On by default: a decode step measured faster with them on the H100 (Qwen3-0.6B batch 1 1.745 -> 1.462 ms, W1
     # 3.82 -> 3.26 ms; Qwen3-8B 6.95 -> 6.52 and 10.11 -> 9.30 ms: bench/results/kernels-h100-2026-11-24b/).
-    disable_fused_layer_kernels: bool = _flag(False, "Run Q/K norms, RoPE and the KV store as four kernels instead of "
-                                                     "one, and the gate/up projection and SiLU-and-mul as two.")
-    gate_up_silu_max_rows: int = _flag(16, "Largest batch (rows) whose gate/up projection runs as one kernel with "
-                                           "SiLU-and-mul in its epilogue; larger ones use cuBLAS and a SiLU kernel "
-                                           "(0: never).")
-    skinny_linear_max_rows: int = _flag(16, "Largest batch (rows, at most 16) whose other projections run as one "
-                                            "weight-streaming Triton kernel (kernels/triton_skinny_linear.py) instead "
-                                            "of cuBLAS (0: never).")
+    disable_fused_layer_kernels: bool = _flag(
+        False,
+        "Run Q/K norms, RoPE and the KV store as four kernels instead of "
+        "one, and the gate/up projection and SiLU-and-mul as two.",
+    )
+    gate_up_silu_max_rows: int = _flag(
+        16,
+        "Largest batch (rows) whose gate/up projection runs as one kernel with "
+        "SiLU-and-mul in its epilogue; larger ones use cuBLAS and a SiLU kernel "
+        "(0: never).",
+    )
+    skinny_linear_max_rows: int = _flag(
+        16,
+        "Largest batch (rows, at most 16) whose other projections run as one "
+        "weight-streaming Triton kernel (kernels/triton_skinny_linear.py) instead "
+        "of cuBLAS (0: never).",
+    )
     # On by default since the H100 measured it faster end to end (W1 1.09x on Qwen3-8B and 1.24x on 0.6B, nothing
     # lost on unshared prompts) and as exact as the plain path on real weights (bench/results/h100-2026-11-23/).
-    disable_shared_prefix_attention: bool = _flag(False, "Decodes that share a cached prefix read its KV each on its "
-                                                         "own instead of once for the group (shared-prefix decode "
-                                                         "attention off).")
-    shared_prefix_min_tokens: int = _flag(512, "Shortest shared prefix for which decodes read it together (the kernel "
-                                               "breaks even at about 256 tokens and gains from 512 on an H100).")
+    disable_shared_prefix_attention: bool = _flag(
+        False,
+        "Decodes that share a cached prefix read its KV each on its "
+        "own instead of once for the group (shared-prefix decode "
+        "attention off).",
+    )
+    shared_prefix_min_tokens: int = _flag(
+        512,
+        "Shortest shared prefix for which decodes read it together (the kernel "
+        "breaks even at about 256 tokens and gains from 512 on an H100).",
+    )
     # HTTP
-    host: str = _flag("127.0.0.1", "Address to bind (loopback by default; python -m radixserve.dynamo: its "
-                                   "request plane and system server, advertised to the frontend).")
-    port: int = _flag(30000, "HTTP port (python -m radixserve.dynamo: its Dynamo system server's, for /health, "
-                             "/metrics and /engine/control/...).")
-    api_key: str | None = _flag(None, "If set, every route but /health wants 'Authorization: Bearer <key>'. "
-                                      "Visible in ps: prefer $RADIXSERVE_API_KEY or --api-key-file.")
+    host: str = _flag(
+        "127.0.0.1",
+        "Address to bind (loopback by default; python -m radixserve.dynamo: its "
+        "request plane and system server, advertised to the frontend).",
+    )
+    port: int = _flag(
+        30000,
+        "HTTP port (python -m radixserve.dynamo: its Dynamo system server's, for /health, "
+        "/metrics and /engine/control/...).",
+    )
+    api_key: str | None = _flag(
+        None,
+        "If set, every route but /health wants 'Authorization: Bearer <key>'. "
+        "Visible in ps: prefer $RADIXSERVE_API_KEY or --api-key-file.",
+    )
     api_key_file: str | None = _flag(None, "Read the API key from this file (first line), instead of --api-key.")
     max_request_bytes: int = _flag(8 * 1024 * 1024, "Largest accepted request body (413 above).")
-    max_queued_requests: int = _flag(4096, "Most sequences in flight before 503 + Retry-After (one request with "
-                                           "more sequences than this by itself gets a 400).")
-    max_sequences_per_request: int = _flag(128, "Most sequences (prompts x n) in one request; more is a 400 "
-                                                "(OpenAI's limit on n is 128).")
+    max_queued_requests: int = _flag(
+        4096,
+        "Most sequences in flight before 503 + Retry-After (one request with "
+        "more sequences than this by itself gets a 400).",
+    )
+    max_sequences_per_request: int = _flag(
+        128, "Most sequences (prompts x n) in one request; more is a 400 (OpenAI's limit on n is 128)."
+    )
     max_header_bytes: int = _flag(64 * 1024, "Largest accepted request line + headers (431 above).")
-    tokenizer_workers: int | None = _flag(None, "Threads that tokenize prompts and render chat templates, off the "
-                                                "HTTP event loop (a huge prompt does not stall other clients); they "
-                                                "encode in parallel, outside the GIL. Default: one per CPU this "
-                                                "process may use.")
-    chat_segment_cache_mib: int = _flag(64, "MiB of token ids of chat prompt pieces (each message between the "
-                                            "template's special tokens) kept by their text, so a repeated system "
-                                            "prompt or earlier turn is not tokenized again.")
-    disable_chat_segment_cache: bool = _flag(False, "Tokenize every chat prompt whole, as rendered, instead of per "
-                                                    "message with cached pieces (ablation).")
-    allowed_origins: str | None = _flag(None, "Comma-separated browser origins allowed to call the API (CORS), e.g. "
-                                              "http://localhost:5173; '*' for any. Default: none (CORS off).")
-    allowed_hosts: str | None = _flag(None, "Comma-separated extra Host names accepted without --api-key (the bound "
-                                            "address and localhost always are; '*' for any). Blocks DNS rebinding.")
+    tokenizer_workers: int | None = _flag(
+        None,
+        "Threads that tokenize prompts and render chat templates, off the "
+        "HTTP event loop (a huge prompt does not stall other clients); they "
+        "encode in parallel, outside the GIL. Default: one per CPU this "
+        "process may use.",
+    )
+    chat_segment_cache_mib: int = _flag(
+        64,
+        "MiB of token ids of chat prompt pieces (each message between the "
+        "template's special tokens) kept by their text, so a repeated system "
+        "prompt or earlier turn is not tokenized again.",
+    )
+    disable_chat_segment_cache: bool = _flag(
+        False, "Tokenize every chat prompt whole, as rendered, instead of per message with cached pieces (ablation)."
+    )
+    allowed_origins: str | None = _flag(
+        None,
+        "Comma-separated browser origins allowed to call the API (CORS), e.g. "
+        "http://localhost:5173; '*' for any. Default: none (CORS off).",
+    )
+    allowed_hosts: str | None = _flag(
+        None,
+        "Comma-separated extra Host names accepted without --api-key (the bound "
+        "address and localhost always are; '*' for any). Blocks DNS rebinding.",
+    )
     log_level: str = _flag("info", "Logging level.")
     # Structured outputs and tool calls
-    grammar_backend: str = _flag("xgrammar", "xgrammar|none: constrained decoding (response_format, regex, ebnf, "
-                                             "tool_choice required/named); none refuses such requests with a 400.",
-                                 choices=["xgrammar", "none"])
-    disable_grammar_string_unrolling: bool = _flag(False, "Keep xgrammar's own EBNF for strings with a maxLength "
-                                                          "(slower token masks; radixserve/grammar_rewrites.py).")
-    tool_call_parser: str = _flag("auto", "Tool-call format of the model: auto (from the chat template) | qwen | "
-                                          "qwen25 | qwen3 | hermes | llama3.",
-                                  choices=["auto", "qwen", "qwen25", "qwen3", "hermes", "llama3"])
+    grammar_backend: str = _flag(
+        "xgrammar",
+        "xgrammar|none: constrained decoding (response_format, regex, ebnf, "
+        "tool_choice required/named); none refuses such requests with a 400.",
+        choices=["xgrammar", "none"],
+    )
+    disable_grammar_string_unrolling: bool = _flag(
+        False,
+        "Keep xgrammar's own EBNF for strings with a maxLength (slower token masks; radixserve/grammar_rewrites.py).",
+    )
+    tool_call_parser: str = _flag(
+        "auto",
+        "Tool-call format of the model: auto (from the chat template) | qwen | qwen25 | qwen3 | hermes | llama3.",
+        choices=["auto", "qwen", "qwen25", "qwen3", "hermes", "llama3"],
+    )
     # Reasoning models and the Responses API (tokenizer_service/reasoning.py, routes_responses.py)
-    reasoning_parser: str | None = _flag(None, "Split the <think>...</think> block of a reasoning model from its "
-                                               "answer: reasoning_content on /v1/chat/completions, a reasoning item "
-                                               "on /v1/responses (qwen3 | deepseek-r1, the names vLLM and SGLang "
-                                               "use). Default: none, the block stays in the content.",
-                                         choices=["qwen3", "deepseek-r1"])
-    responses_store_size: int = _flag(1024, "Most responses of /v1/responses kept for previous_response_id and GET "
-                                            "per API key (the oldest go first; each holds its conversation's text "
-                                            "and last token ids). 0 keeps none.")
+    reasoning_parser: str | None = _flag(
+        None,
+        "Split the <think>...</think> block of a reasoning model from its "
+        "answer: reasoning_content on /v1/chat/completions, a reasoning item "
+        "on /v1/responses (qwen3 | deepseek-r1, the names vLLM and SGLang "
+        "use). Default: none, the block stays in the content.",
+        choices=["qwen3", "deepseek-r1"],
+    )
+    responses_store_size: int = _flag(
+        1024,
+        "Most responses of /v1/responses kept for previous_response_id and GET "
+        "per API key (the oldest go first; each holds its conversation's text "
+        "and last token ids). 0 keeps none.",
+    )
     responses_store_ttl: float = _flag(3600.0, "Seconds a stored response of /v1/responses is kept.")
     # NVIDIA Dynamo backend (python -m radixserve.dynamo: radixserve/dynamo/; README "Scaling out")
-    kv_events_block_size: int | None = _flag(None, "Publish the radix tree's inserts and evictions as KV events of "
-                                                   "full blocks of this many tokens, chained by parent, for Dynamo's "
-                                                   "KV router (and register it as the model's KV block size). "
-                                                   "Default: 16 under python -m radixserve.dynamo, none under "
-                                                   "launch.py; 0 turns them off.")
+    kv_events_block_size: int | None = _flag(
+        None,
+        "Publish the radix tree's inserts and evictions as KV events of "
+        "full blocks of this many tokens, chained by parent, for Dynamo's "
+        "KV router (and register it as the model's KV block size). "
+        "Default: 16 under python -m radixserve.dynamo, none under "
+        "launch.py; 0 turns them off.",
+    )
     dynamo_namespace: str = _flag("dynamo", "Dynamo namespace the worker registers in.")
-    dynamo_component: str = _flag("radixserve", "Dynamo component of the worker: it serves "
-                                                "dyn://NAMESPACE.COMPONENT.generate.")
-    discovery_backend: str | None = _flag(None, "Dynamo discovery: etcd | kubernetes | file (one host: a directory, "
-                                                "$DYN_FILE_KV) | mem. Default: $DYN_DISCOVERY_BACKEND, else etcd.",
-                                          choices=["etcd", "kubernetes", "file", "mem"])
-    request_plane: str | None = _flag(None, "Dynamo request plane, router to worker: tcp (no broker) | nats. "
-                                            "Default: $DYN_REQUEST_PLANE, else tcp.", choices=["tcp", "nats"])
-    event_plane: str | None = _flag(None, "Dynamo event plane, for KV events and load: zmq (no broker) | nats. "
-                                          "Default: $DYN_EVENT_PLANE, else zmq.", choices=["zmq", "nats"])
+    dynamo_component: str = _flag(
+        "radixserve", "Dynamo component of the worker: it serves dyn://NAMESPACE.COMPONENT.generate."
+    )
+    discovery_backend: str | None = _flag(
+        None,
+        "Dynamo discovery: etcd | kubernetes | file (one host: a directory, "
+        "$DYN_FILE_KV) | mem. Default: $DYN_DISCOVERY_BACKEND, else etcd.",
+        choices=["etcd", "kubernetes", "file", "mem"],
+    )
+    request_plane: str | None = _flag(
+        None,
+        "Dynamo request plane, router to worker: tcp (no broker) | nats. Default: $DYN_REQUEST_PLANE, else tcp.",
+        choices=["tcp", "nats"],
+    )
+    event_plane: str | None = _flag(
+        None,
+        "Dynamo event plane, for KV events and load: zmq (no broker) | nats. Default: $DYN_EVENT_PLANE, else zmq.",
+        choices=["zmq", "nats"],
+    )
     # Supervision
-    watchdog_timeout: float | None = _flag(None, "Seconds a busy worker or scheduler may go without progress before "
-                                                 "the server fails its requests and exits (default 300; "
-                                                 "0 disables). The first batch after startup is not timed.")
+    watchdog_timeout: float | None = _flag(
+        None,
+        "Seconds a busy worker or scheduler may go without progress before "
+        "the server fails its requests and exits (default 300; "
+        "0 disables). The first batch after startup is not timed.",
+    )
 
     def __post_init__(self):
-        if self.tp_size < 1:
-            raise ValueError(f"--tp-size must be >= 1, got {self.tp_size}")
-        if self.dp_size < 1:
-            raise ValueError(f"--dp-size must be >= 1, got {self.dp_size}")
-        if self.dp_size > 1 and self.nnodes > 1:
-            raise ValueError("--dp-size > 1 with --nnodes > 1 is not supported: run one server per node group and "
-                             "put sglang-router in front")
-        if self.nnodes > 1 or self.node_rank != 0:
-            from radixserve.runtime.node_link import check_multi_node_args  # the multi-node rules live with the links
-            check_multi_node_args(self)
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.hicache_size < 0:
-            raise ValueError(f"--hicache-size must be >= 0 (GB; 0 = off), got {self.hicache_size}")
-        if self.enable_layerwise_offload:
-            self._check_layerwise_offload()
-        if self.max_running_requests < 1:
-            raise ValueError(f"--max-running-requests must be >= 1, got {self.max_running_requests}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 2:
-            raise ValueError(f"--max-total-tokens must be >= 2, got {self.max_total_tokens}")
-        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
-            raise ValueError("--chunked-prefill-size must be positive or -1 (no chunking)")
-        if self.max_pinned_tokens is not None and self.max_pinned_tokens < 0:
-            raise ValueError(f"--max-pinned-tokens must be >= 0, got {self.max_pinned_tokens}")
-        if self.pin_prompts is not None and not Path(self.pin_prompts).is_file():
-            raise ValueError(f"--pin-prompts: no such file {self.pin_prompts}")
-        if self.cpu_logits_block_mib < 0:
-            raise ValueError(f"--cpu-logits-block-mib must be >= 0, got {self.cpu_logits_block_mib}")
-        if self.shared_prefix_min_tokens < 1:
-            raise ValueError(f"--shared-prefix-min-tokens must be >= 1, got {self.shared_prefix_min_tokens}")
-        if self.max_sequences_per_request < 1:
-            raise ValueError(f"--max-sequences-per-request must be >= 1, got {self.max_sequences_per_request}")
-        if self.tokenizer_workers is None:
-            self.tokenizer_workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else \
-                (os.cpu_count() or 1)
-        if self.tokenizer_workers < 1:
-            raise ValueError(f"--tokenizer-workers must be >= 1, got {self.tokenizer_workers}")
-        if self.chat_segment_cache_mib < 0:
-            raise ValueError(f"--chat-segment-cache-mib must be >= 0, got {self.chat_segment_cache_mib}")
-        if self.responses_store_size < 0 or not self.responses_store_ttl > 0:
-            raise ValueError("--responses-store-size must be >= 0 and --responses-store-ttl > 0, got "
-                             f"{self.responses_store_size} and {self.responses_store_ttl}")
-        if self.max_header_bytes < 1024:
-            raise ValueError(f"--max-header-bytes must be >= 1024, got {self.max_header_bytes}")
-        if self.kv_events_block_size is not None and self.kv_events_block_size < 0:
-            raise ValueError(f"--kv-events-block-size must be >= 0 (0: no KV events), got {self.kv_events_block_size}")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"--port out of range: {self.port}")
-        if self.device == "auto":
-            import torch  # only where the device is still open: the launcher resolves it before the children start
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.chunked_prefill_size is None:
-            self.chunked_prefill_size = 8192 if self.device == "cuda" else 512
-        if self.layerwise_offload_chunk_size is None:
-            self.layerwise_offload_chunk_size = self.chunked_prefill_size if self.chunked_prefill_size > 0 else 8192
-
-    def _check_layerwise_offload(self) -> None:
-        if self.hicache_size <= 0:
-            raise ValueError("--enable-layerwise-offload keeps long requests' KV in host memory: give its size with "
-                             "--hicache-size GB")
-        if self.tp_size > 1 or self.nnodes > 1:
-            raise ValueError("--enable-layerwise-offload runs on one GPU (--tp-size 1) for now")
-        if self.layerwise_offload_ring_size < 2:
-            raise ValueError(f"--layerwise-offload-ring-size must be >= 2, got {self.layerwise_offload_ring_size}")
-        for name in ("layerwise_offload_chunk_size", "layerwise_offload_buffer_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.layerwise_offload_units_per_step < 0:
-            raise ValueError("--layerwise-offload-units-per-step must be >= 0, got "
-                             f"{self.layerwise_offload_units_per_step}")
+        apply_rules(self)
 
     @property
     def torch_dtype(self) -> "torch.dtype":
         import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.device == "cuda" else torch.float32
         return getattr(torch, self.dtype)
@@ -309,92 +384,3 @@ class ServerArgs:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-
-@dataclass
-class ModelConfig:
-    """The shape of a decoder-only model, read from an HF config.json."""
-
-    architecture: str
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool
-    eos_token_ids: list[int]
-    bos_token_id: int | None
-    dtype: str  # the checkpoint's dtype name ("bfloat16"); torch_dtype gives the torch object
-    hidden_act: str = "silu"
-
-    @classmethod
-    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
-        model_dir = Path(model_dir)
-        path = model_dir / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(f"no config.json in model directory {model_dir} (does it exist?)")
-        return cls.from_dict(json.loads(path.read_text()), model_dir)
-
-    @classmethod
-    def from_dict(cls, cfg: dict, model_dir: Path | None = None) -> "ModelConfig":
-        archs = cfg.get("architectures") or []
-        if not archs:
-            raise ValueError("config.json names no 'architectures'")
-        heads = cfg["num_attention_heads"]
-        # transformers >= 5 nests rope_theta/rope_scaling under rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or {})
-        rope_theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
-        rope_scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if rope_scaling is not None and "rope_type" not in rope_scaling and "type" in rope_scaling:
-            rope_scaling = {**rope_scaling, "rope_type": rope_scaling["type"]}
-        eos = cfg.get("eos_token_id")
-        if model_dir is not None and (model_dir / "generation_config.json").is_file():
-            eos = json.loads((model_dir / "generation_config.json").read_text()).get("eos_token_id", eos)
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        dtype_name = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
-        return cls(
-            architecture=archs[0],
-            hidden_size=cfg["hidden_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            eos_token_ids=eos_ids,
-            bos_token_id=cfg.get("bos_token_id"),
-            dtype=dtype_name if isinstance(dtype_name, str) else "float32",
-            hidden_act=cfg.get("hidden_act", "silu"),
-        )
-
-    @property
-    def torch_dtype(self) -> "torch.dtype":
-        import torch
-        return getattr(torch, self.dtype)
-
-    def check_tp(self, tp_size: int) -> None:
-        for name, n in (("attention heads", self.num_heads), ("intermediate size", self.intermediate_size)):
-            if n % tp_size:
-                raise ValueError(f"{name} ({n}) not divisible by --tp-size {tp_size}")
-        if self.num_kv_heads % tp_size and tp_size % self.num_kv_heads:
-            raise ValueError(f"KV heads ({self.num_kv_heads}) and --tp-size {tp_size} must divide one another")
-
-    def kv_heads_per_rank(self, tp_size: int) -> int:
-        # With more ranks than KV heads, each KV head is replicated on tp_size / num_kv_heads ranks.
-        return max(1, self.num_kv_heads // tp_size)
-
-    def context_len(self, override: int | None = None) -> int:
-        return override or self.max_position_embeddings

@@ -18,7 +18,8 @@ from typing import Iterable, Sequence
 import numpy as np
 from tqdm import tqdm
 
-from radixserve.config import ModelConfig, ServerArgs
+from radixserve.config import ServerArgs
+from radixserve.model_config import ModelConfig
 from radixserve.runtime.launcher import resolve_model_dir
 from radixserve.protocol import RequestOutput, TokenLogprobs
 from radixserve.request_pipeline import RequestPipeline, SequenceResult
@@ -68,19 +69,26 @@ class EngineBase:
 
     # API
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+        return list(
+            self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
-                 use_tqdm: bool = False) -> GenerationResult | list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | dict | Sequence[SamplingParams | dict] | None = None,
+        use_tqdm: bool = False,
+    ) -> GenerationResult | list[GenerationResult]:
         """Generate for one prompt (returns one result) or a list (returns a list, in order). Prompts are text or
         token ids; every request is queued at once and runs with continuous batching. Raises ValueError
         (request_validation.InvalidRequest) for a bad request before anything is queued."""
         single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], (int, np.integer)))
         prompt_list = [prompts] if single else list(prompts)
-        params_list = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                       else [sampling_params] * len(prompt_list))
+        params_list = (
+            list(sampling_params)
+            if isinstance(sampling_params, (list, tuple))
+            else [sampling_params] * len(prompt_list)
+        )
         if len(params_list) != len(prompt_list):
             raise ValueError(f"{len(prompt_list)} prompts but {len(params_list)} sampling params")
         jobs = [self._prepare(prompt, params) for prompt, params in zip(prompt_list, params_list)]
@@ -124,15 +132,23 @@ class EngineBase:
         elif isinstance(params, dict):
             params = SamplingParams(**params)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        return check_request(ids, params, self.model_config.vocab_size, self.context_len,
-                             kv_pool_tokens=self.kv_pool_tokens), params
+        return check_request(
+            ids, params, self.model_config.vocab_size, self.context_len, kv_pool_tokens=self.kv_pool_tokens
+        ), params
 
 
 def _result(pipeline: RequestPipeline, result: SequenceResult, first_token_s: float | None) -> GenerationResult:
-    return GenerationResult(text=result.text, token_ids=result.token_ids, finish_reason=result.finish_reason,
-                            prompt_tokens=len(pipeline.prompt_ids), cached_tokens=pipeline.cached_tokens,
-                            error=result.error, matched_stop=result.matched_stop, logprobs=result.logprobs,
-                            first_token_s=first_token_s)
+    return GenerationResult(
+        text=result.text,
+        token_ids=result.token_ids,
+        finish_reason=result.finish_reason,
+        prompt_tokens=len(pipeline.prompt_ids),
+        cached_tokens=pipeline.cached_tokens,
+        error=result.error,
+        matched_stop=result.matched_stop,
+        logprobs=result.logprobs,
+        first_token_s=first_token_s,
+    )
 
 
 class Engine(EngineBase):
@@ -150,8 +166,9 @@ class Engine(EngineBase):
         ep = self._launcher.endpoints
         self._ctx = zmq.Context()
         # We stand where the tokenizer process stands in the server.
-        self._from_scheduler = Channel(self._ctx, zmq.PULL, ep.scheduler_to_tokenizer, bind=True,
-                                       recv_type=SchedulerToTokenizer)
+        self._from_scheduler = Channel(
+            self._ctx, zmq.PULL, ep.scheduler_to_tokenizer, bind=True, recv_type=SchedulerToTokenizer
+        )
         self._to_scheduler = Channel(self._ctx, zmq.PUSH, ep.tokenizer_to_scheduler, bind=False)
         self._launcher.start()
         dead = self._launcher.wait_until_ready()
@@ -163,15 +180,18 @@ class Engine(EngineBase):
 
     def _submit(self, rid, prompt_ids, params) -> None:
         from radixserve.protocol import TokenizedRequest, pack_i32
+
         self._to_scheduler.send(TokenizedRequest(rid, pack_i32(prompt_ids), params, time.time()))
 
     def _abort(self, rid) -> None:
         from radixserve.protocol import AbortRequest
+
         if "_launcher" in self.__dict__:  # after shutdown() there is no scheduler left to tell
             self._to_scheduler.send(AbortRequest(rid))
 
     def _next_outputs(self):
         from radixserve.protocol import BatchOutput
+
         while True:
             message = self._from_scheduler.recv(timeout_ms=500)
             if isinstance(message, BatchOutput):
@@ -194,11 +214,13 @@ class Engine(EngineBase):
     def server_info(self) -> dict:
         """The scheduler's counters: running/waiting requests, KV slot usage, steps, tokens computed and cached."""
         from radixserve.protocol import ServerInfo, ServerInfoRequest
+
         return self._ask_scheduler(ServerInfoRequest(uuid.uuid4().hex), ServerInfo).info
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache (only while no request runs)."""
         from radixserve.protocol import FlushCacheRequest, FlushCacheResult
+
         return self._ask_scheduler(FlushCacheRequest(uuid.uuid4().hex), FlushCacheResult).success
 
     def shutdown(self) -> None:

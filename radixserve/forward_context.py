@@ -16,6 +16,7 @@ from radixserve.protocol import PrefixGroups, unpack_i32
 class DecodeGroups:
     """kernels.decode_attention_grouped's group tables for the decode part of the batch (request indices count
     from the first decode). Seven int32 views of one flat tensor, so that a step moves them in one copy."""
+
     prefix_lens: torch.Tensor  # [G]
     prefix_rows: torch.Tensor  # [G]
     member_start: torch.Tensor  # [G + 1]
@@ -32,17 +33,29 @@ class DecodeGroups:
         return 3 * num_groups + 1 + 3 * num_decodes + 1
 
     @classmethod
-    def view(cls, flat: torch.Tensor, num_groups: int, num_decodes: int, max_prefix_len: int,
-             max_group_size: int, max_prefix_splits: int) -> "DecodeGroups":
+    def view(
+        cls,
+        flat: torch.Tensor,
+        num_groups: int,
+        num_decodes: int,
+        max_prefix_len: int,
+        max_group_size: int,
+        max_prefix_splits: int,
+    ) -> "DecodeGroups":
         g, d = num_groups, num_decodes
-        parts = flat[:cls.flat_size(g, d)].split([g, g, g + 1, d, d, d, 1])
-        return cls(*parts, max_prefix_len=max_prefix_len, max_group_size=max_group_size,
-                   max_prefix_splits=max_prefix_splits)
+        parts = flat[: cls.flat_size(g, d)].split([g, g, g + 1, d, d, d, 1])
+        return cls(
+            *parts, max_prefix_len=max_prefix_len, max_group_size=max_group_size, max_prefix_splits=max_prefix_splits
+        )
 
 
-def pack_decode_groups(groups: PrefixGroups, num_extend: int, num_groups: int | None = None,
-                       num_decodes: int | None = None,
-                       slices: Callable[[int, int, int], int] | None = None) -> tuple[np.ndarray, int, int]:
+def pack_decode_groups(
+    groups: PrefixGroups,
+    num_extend: int,
+    num_groups: int | None = None,
+    num_decodes: int | None = None,
+    slices: Callable[[int, int, int], int] | None = None,
+) -> tuple[np.ndarray, int, int]:
     """The flat int32 layout DecodeGroups.view reads, from the batch's PrefixGroups; the decode part starts at batch
     index num_extend. num_groups / num_decodes pad it to a captured graph's shape: padding groups are empty (they
     cost the kernels one early exit) and padding requests are in no group. slices(groups, largest group, longest
@@ -59,12 +72,11 @@ def pack_decode_groups(groups: PrefixGroups, num_extend: int, num_groups: int | 
     members = grouped[np.argsort(req_group[grouped], kind="stable")]  # by group, batch order inside one
     sizes = np.bincount(req_group[grouped], minlength=g)
     flat = np.zeros(DecodeGroups.flat_size(gp, dp), dtype=np.int32)
-    lens, rows, start, member_list, req_groups, suffixes = np.split(
-        flat, np.cumsum([gp, gp, gp + 1, dp, dp])[:5])
+    lens, rows, start, member_list, req_groups, suffixes = np.split(flat, np.cumsum([gp, gp, gp + 1, dp, dp])[:5])
     lens[:g], rows[:g] = prefix_lens, prefix_rows
-    start[1:g + 1] = np.cumsum(sizes)
-    start[g + 1:] = len(members)
-    member_list[:len(members)] = members
+    start[1 : g + 1] = np.cumsum(sizes)
+    start[g + 1 :] = len(members)
+    member_list[: len(members)] = members
     req_groups[:] = -1
     req_groups[:d], suffixes[:d] = req_group, suffix_start
     max_prefix_len, max_group_size = int(prefix_lens.max(initial=0)), int(sizes.max(initial=0))
@@ -77,6 +89,7 @@ class ForwardContext:
     """Requests [0, num_extend_reqs) compute prompt chunks (the extend kernel); the rest are decodes, one token over
     a cached context each, which the split-KV decode kernel does several times faster than the extend kernel. The
     scheduler puts decodes last, so one split point suffices."""
+
     num_extend_reqs: int
     num_extend_tokens: int
     req_to_token: torch.Tensor  # int32 [rows, context_len]

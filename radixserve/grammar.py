@@ -84,14 +84,22 @@ class GrammarCompiler:
     `stop_token_ids` are the ids that end generation (the model's EOS ids).
     """
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int], max_threads: int = 1,
-                 cache_entries: int = COMPILE_CACHE_ENTRIES, unroll_bounded_strings: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        max_threads: int = 1,
+        cache_entries: int = COMPILE_CACHE_ENTRIES,
+        unroll_bounded_strings: bool = True,
+    ):
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
         self.unroll_bounded_strings = unroll_bounded_strings  # off: --disable-grammar-string-unrolling
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None
+        )
         # xgrammar has its own cache too; ours is keyed by the spec text, bounded by count, and also remembers
         # failures so a client resending a bad schema does not recompile it.
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads, cache_enabled=False)
@@ -238,8 +246,9 @@ def apply_bitmask(logits: "torch.Tensor", bitmask: "torch.Tensor", rows: list[in
     filled at those rows); the other rows are not touched."""
     import xgrammar as xgr
 
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                    vocab_size=logits.shape[1], indices=rows)
+    xgr.apply_token_bitmask_inplace(
+        logits, bitmask.to(logits.device, non_blocking=True), vocab_size=logits.shape[1], indices=rows
+    )
 
 
 def unpack_bitmask(words: "torch.Tensor", vocab_size: int) -> "torch.Tensor":
@@ -254,8 +263,14 @@ class WorkerGrammars:
     a server that never sees one pays nothing at startup; later requests with the same spec reuse its compilation.
     `backend` "none" (--grammar-backend none) constrains nothing; the front end refuses such requests first."""
 
-    def __init__(self, backend: str, tokenizer_path, vocab_size: int, stop_token_ids: list[int],
-                 unroll_bounded_strings: bool = True):
+    def __init__(
+        self,
+        backend: str,
+        tokenizer_path,
+        vocab_size: int,
+        stop_token_ids: list[int],
+        unroll_bounded_strings: bool = True,
+    ):
         if backend not in GRAMMAR_BACKENDS:
             raise ValueError(f"--grammar-backend must be one of {GRAMMAR_BACKENDS}, got {backend!r}")
         self.backend = backend
@@ -275,8 +290,9 @@ class WorkerGrammars:
             from radixserve.tokenizer_loading import load_tokenizer
 
             tokenizer = load_tokenizer(self._tokenizer_path)
-            self._compiler = GrammarCompiler(tokenizer, self._vocab_size, self._stop_token_ids,
-                                             unroll_bounded_strings=self._unroll_bounded_strings)
+            self._compiler = GrammarCompiler(
+                tokenizer, self._vocab_size, self._stop_token_ids, unroll_bounded_strings=self._unroll_bounded_strings
+            )
         try:
             grammar = self._compiler.matcher(spec, params.grammar_starts_after)
         except GrammarError as e:
@@ -286,4 +302,3 @@ class WorkerGrammars:
             return None
         grammar.accept_all(generated)
         return grammar
-

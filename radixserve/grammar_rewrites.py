@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import re
 
-_BOUNDED_STRING_CHAR = r'[^\"\\\r\n]'  # as xgrammar prints its EBNF
-_BOUNDED_STRING_CHAR_FIXED = r'[^\0-\x1f\"\\\r\n]'
+_BOUNDED_STRING_CHAR = r"[^\"\\\r\n]"  # as xgrammar prints its EBNF
+_BOUNDED_STRING_CHAR_FIXED = r"[^\0-\x1f\"\\\r\n]"
 
 # `"\"" NAME{m, n} "\""` in a rule body: the characters of a bounded string, then its closing quote.
 _BOUNDED_REPEAT = re.compile(r'(\w+)\{(\d+), (\d+)\} "\\""')
-_CHARACTER_CLASS_BODY = re.compile(r'\(\(\[(?:[^\]\\]|\\.)*\]\)\)')
+_CHARACTER_CLASS_BODY = re.compile(r"\(\(\[(?:[^\]\\]|\\.)*\]\)\)")
 # Longer strings stay as xgrammar wrote them: a rule per character left costs compile time and memory.
 MAX_UNROLLED_CHARACTERS = 512
 

@@ -53,8 +53,9 @@ def load_safetensors(model: nn.Module, model_dir: str | Path, show_progress: boo
                         break
                 param = params.get(target)
                 if param is None:
-                    raise ValueError(f"checkpoint tensor {name!r} in {path.name} matches no parameter of "
-                                     f"{type(model).__name__}")
+                    raise ValueError(
+                        f"checkpoint tensor {name!r} in {path.name} matches no parameter of {type(model).__name__}"
+                    )
                 tensor = f.get_tensor(name).to(param.dtype)
                 try:
                     if shard_id is None:
@@ -82,8 +83,10 @@ def _check_complete(model: nn.Module, packed: dict, loaded: set[str], tied: bool
         elif name not in loaded:
             missing.append(name)
     if missing:
-        raise ValueError(f"checkpoint in {model_dir} lacks tensors for: {', '.join(missing[:10])}"
-                         + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""))
+        raise ValueError(
+            f"checkpoint in {model_dir} lacks tensors for: {', '.join(missing[:10])}"
+            + (f" (+{len(missing) - 10} more)" if len(missing) > 10 else "")
+        )
 
 
 @torch.no_grad()

@@ -1,5 +1,7 @@
-"""Every message that crosses a socket, in one place. msgspec msgpack only (no pickle: a socket must never execute
-what it reads). Token ids and slot indices travel as packed int32 bytes, decoded with numpy.frombuffer."""
+"""Every message of the serving path that crosses a socket, in one place (the processes' supervision messages, to
+launch.py and between nodes' launchers, are in radixserve/runtime/supervision_messages.py). msgspec msgpack only (no
+pickle: a socket must never execute what it reads). Token ids and slot indices travel as packed int32 bytes, decoded
+with numpy.frombuffer."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ def unpack_i32(data: bytes) -> np.ndarray:
 
 # ---------------------------------------------------------------- scheduler -> workers
 
+
 class ReusedSlots(msgspec.Struct, array_like=True):
     """Tokens a request holds without computing them this step: req_to_token[req_pool_idx, start:start+len(slots)]
     = slots. A cached prefix at admission, or a range re-pointed at the radix tree's copy after another request
@@ -26,6 +29,7 @@ class ReusedSlots(msgspec.Struct, array_like=True):
     slots (out_cache_loc), in the same single write of req_to_token. source >= 0: the same start and slots as the
     batch's reused_slots[source] (slots empty here): a burst of requests over one cached system prompt sends its
     slots once, not once per request."""
+
     req_pool_idx: int
     start: int
     slots: bytes
@@ -34,6 +38,7 @@ class ReusedSlots(msgspec.Struct, array_like=True):
 
 class WorkerRequest(msgspec.Struct, array_like=True):
     """Sent the first time a request occupies a row: what the sampler needs to know about it."""
+
     req_pool_idx: int
     params: SamplingParams
     # Tokens that penalties look at: outputs so far (non-empty after a retraction), plus the prompt when a
@@ -47,6 +52,7 @@ class PrefixGroups(msgspec.Struct, array_like=True):
     members hold the same KV slots for positions [0, prefix_lens[g]), readable through req_to_token row
     prefix_rows[g]. Per request of the batch, its group or -1, and where its own positions start (its group's
     prefix length, or 0). Only decodes are ever grouped."""
+
     prefix_lens: bytes  # int32 [G]
     prefix_rows: bytes  # int32 [G]
     req_group: bytes  # int32 [B]
@@ -56,6 +62,7 @@ class PrefixGroups(msgspec.Struct, array_like=True):
 class LongRequest(msgspec.Struct, array_like=True):
     """A request served by layer-wise offload, sent with its first long step: host_slots[p] is the host KV slot of
     position p, for every position it may ever hold (prompt + max_tokens)."""
+
     req_pool_idx: int
     host_slots: bytes  # int32
 
@@ -66,6 +73,7 @@ class LongWork(msgspec.Struct, array_like=True):
     prefill job is one request's new prompt tokens, unit = (layer, chunk of chunk_size tokens), layer-major; a
     decode job is one token for each request of the batch, unit = a layer. The batch's arrays describe the whole
     job (its input ids only in its first step) and it samples in its last step only."""
+
     job: int
     prefill: bool
     first_unit: int
@@ -76,6 +84,7 @@ class LongWork(msgspec.Struct, array_like=True):
 
 class ForwardBatch(msgspec.Struct, tag=True):
     """One step's batch. Per request: its row, how many tokens are already cached, its new tokens and their slots."""
+
     step: int
     req_pool_indices: bytes  # int32 [B]
     prefix_lens: bytes  # int32 [B]
@@ -115,6 +124,7 @@ class Shutdown(msgspec.Struct, tag=True):
 
 # ---------------------------------------------------------------- worker rank 0 -> scheduler
 
+
 class TokenLogprobs(msgspec.Struct, array_like=True):
     logprob: float
     top_ids: bytes  # int32 [k]
@@ -124,6 +134,7 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
 class PromptLogprobs(msgspec.Struct, array_like=True):
     """Logprobs of prompt tokens computed in one step for one request that asked for them (params.prompt_logprobs):
     logprobs[j] is that of the token at prompt position start + j, given the tokens before it."""
+
     index: int  # the request's place in the step's batch
     start: int
     logprobs: list[TokenLogprobs]
@@ -148,6 +159,7 @@ SchedulerToWorker = ForwardBatch | Shutdown
 
 
 # ---------------------------------------------------------------- tokenizer <-> scheduler
+
 
 class TokenizedRequest(msgspec.Struct, tag=True):
     rid: str
@@ -174,13 +186,16 @@ class ServerInfoRequest(msgspec.Struct, tag=True):
 
 class CacheStatsRequest(msgspec.Struct, tag=True):
     """The dashboard's question (GET /v1/cache/stats): answered with a CacheStats."""
+
     request_id: str
 
 
 # Pinned prefixes (scheduler_service/cache_control.py; the routes are tokenizer_service/routes_cache.py).
 
+
 class PinPrefixRequest(msgspec.Struct, tag=True):
     """Keep these tokens in the radix tree (computing them first if needed) until unpinned or ttl_seconds pass."""
+
     request_id: str
     input_ids: bytes  # int32
     cache_salt: str | None = None
@@ -196,14 +211,23 @@ class ListPinsRequest(msgspec.Struct, tag=True):
     request_id: str
 
 
-TokenizerToScheduler = (TokenizedRequest | AbortRequest | FlushCacheRequest | ServerInfoRequest | CacheStatsRequest
-                        | PinPrefixRequest | UnpinPrefixRequest | ListPinsRequest)
+TokenizerToScheduler = (
+    TokenizedRequest
+    | AbortRequest
+    | FlushCacheRequest
+    | ServerInfoRequest
+    | CacheStatsRequest
+    | PinPrefixRequest
+    | UnpinPrefixRequest
+    | ListPinsRequest
+)
 
 
 class RequestOutput(msgspec.Struct, array_like=True, gc=False):
     """What one request got in one step: new tokens, and on its last output why it ended. (gc=False: the scheduler
     makes one per running request per step, and tracked they set off a young collection almost every step, ~30 us at
     256 running; none can be part of a cycle, as nothing it holds refers back to it.)"""
+
     rid: str
     token_ids: bytes  # int32 new tokens (usually one)
     logprobs: list[TokenLogprobs]
@@ -247,12 +271,14 @@ class EngineFailed(msgspec.Struct, tag=True):
     """A child of launch.py died or hung: the tokenizer fails every request in flight with `reason` and answers
     /health with 503 from now on. Sent by the launcher on the scheduler_to_tokenizer socket (a PULL takes any
     number of PUSH peers), so it arrives in the loop that already ends requests."""
+
     reason: str
 
 
 class CachedPrefix(msgspec.Struct, array_like=True):
     """One of the largest prefixes in the radix tree (RadixCache.largest_prefixes): the front end decodes
     first_tokens into the words the dashboard shows."""
+
     first_tokens: bytes  # int32, the prefix's first tokens (at most 32)
     num_tokens: int
     hits: int  # requests that matched or inserted it
@@ -264,6 +290,7 @@ class CachedPrefix(msgspec.Struct, array_like=True):
 class CacheStats(msgspec.Struct, tag=True):
     """The scheduler's cache numbers (scheduler_service/cache_stats.py says what each is) and its largest
     prefixes, for /v1/cache/stats."""
+
     request_id: str
     numbers: dict[str, int | float | str | bool | None]
     largest_prefixes: list[CachedPrefix] = []
@@ -281,6 +308,7 @@ class PinEntry(msgspec.Struct, array_like=True):
 class PinsReply(msgspec.Struct, tag=True):
     """The answer to any of the three pin requests. status is an HTTP status: 200, 404 (no such pin), 409 (over
     --max-pinned-tokens), 400 (a prompt that cannot be pinned). pins: the pin made, the one removed, or all."""
+
     request_id: str
     status: int
     message: str = ""
@@ -291,10 +319,12 @@ class PinsReply(msgspec.Struct, tag=True):
 # ---------------------------------------------------------------- KV block events for Dynamo's router
 # (scheduler_service/kv_events.py -> radixserve/dynamo/kv_publisher.py; only with --kv-events-block-size)
 
+
 class KvBlocksStored(msgspec.Struct, array_like=True, tag=True):
     """Full blocks the radix tree now holds, in order: each the child of the one before it, the first the child of
     parent_hash (None: the first block of its namespace). A block's hash covers its namespace's salt and every token
     from the root to the block's end, so equal hashes mean equal prefixes."""
+
     block_hashes: list[int]
     parent_hash: int | None
     token_ids: bytes  # int32, block_size tokens per block
@@ -307,64 +337,19 @@ class KvBlocksRemoved(msgspec.Struct, array_like=True, tag=True):
 
 class KvBlockEvents(msgspec.Struct, tag=True):
     """One scheduler's block events since its last report, in order (a flush is the removal of every block)."""
+
     dp_rank: int
     events: list[KvBlocksStored | KvBlocksRemoved]
 
 
-SchedulerToTokenizer = (BatchOutput | FlushCacheResult | ServerInfo | EngineFailed | CacheStats | PinsReply
-                        | KvBlockEvents)
-
-
-# ---------------------------------------------------------------- every child -> launch.py
-
-class ProcessReady(msgspec.Struct, tag=True):
-    name: str  # "scheduler", "worker-0", "tokenizer"
-    info: dict[str, int | float | str | bool | None] = {}
-
-
-class ProcessFailed(msgspec.Struct, tag=True):
-    name: str
-    message: str
-
-
-class Heartbeat(msgspec.Struct, tag=True):
-    """Sent by every child's heartbeat thread about once a second: a silent child is frozen (stopped, or stuck
-    where not even a thread runs), and a busy one whose progress count stands still is hung (--watchdog-timeout)."""
-    name: str
-    progress: int  # units of work finished so far (worker: forward batches, scheduler: steps)
-    busy: bool  # working on a unit right now
-    warm: bool  # finished at least one unit: the first one (CUDA graph capture, Triton compile) is not timed
-
-
-ChildToLauncher = ProcessReady | ProcessFailed | Heartbeat
-
-
-# ---------------------------------------------------------------- between the launchers of a multi-node server
-# (radixserve/runtime/node_link.py; over CURVE-authenticated tcp)
-
-class NodeBeat(msgspec.Struct, tag=True):
-    """Sent by every node's launcher twice a second: it is alive, and whether all its processes are ready."""
-    node_rank: int
-    ready: bool
-
-
-class NodeFailed(msgspec.Struct, tag=True):
-    """Node k > 0 to node 0: one of its processes died or hung; node 0 stops the server with this reason."""
-    node_rank: int
-    reason: str
-
-
-class NodeStop(msgspec.Struct, tag=True):
-    """Node 0 to every other node: the server is stopping (failed: because something broke; exit non-zero)."""
-    reason: str
-    failed: bool
-
-
-NodeToNode = NodeBeat | NodeFailed | NodeStop
+SchedulerToTokenizer = (
+    BatchOutput | FlushCacheResult | ServerInfo | EngineFailed | CacheStats | PinsReply | KvBlockEvents
+)
 
 
 # ---------------------------------------------------------------- data parallelism: scheduler -> dp controller
 # (scheduler_service/cache_events.py, scheduler_service/dp_controller.py)
+
 
 class CacheInserted(msgspec.Struct, tag=True):
     tokens: bytes  # int32: this sequence is now cached (every prefix of it too)
@@ -382,8 +367,8 @@ class CacheCleared(msgspec.Struct, tag=True):
 class CacheEvents(msgspec.Struct, tag=True):
     """What one replica's radix tree gained and lost since its last report, in order: the DP controller replays
     them on its mirror of that tree, which so stays exact (only sent with --dp-size > 1)."""
+
     events: list[CacheInserted | CacheEvicted | CacheCleared]
 
 
-ReplicaToController = (BatchOutput | FlushCacheResult | ServerInfo | CacheEvents | CacheStats | PinsReply
-                       | KvBlockEvents)
+ReplicaToController = BatchOutput | FlushCacheResult | ServerInfo | CacheEvents | CacheStats | PinsReply | KvBlockEvents

@@ -27,6 +27,7 @@ from radixserve.sampling import SamplingParams
 class SequenceOutput:
     """What one sequence produced since its previous output: new text and tokens, and on the last one how it
     ended."""
+
     index: int  # the sequence's choice index in its request
     text: str
     token_ids: list[int]
@@ -41,6 +42,7 @@ class SequenceOutput:
 @dataclass
 class SequenceResult:
     """Everything one sequence produced: its outputs added up."""
+
     index: int
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
@@ -67,8 +69,9 @@ class RequestPipeline:
         self.index = index
         self.prompt_ids = list(prompt_ids)
         self.params = params
-        self.detokenizer = IncrementalDetokenizer(tokenizer, self.prompt_ids, params.skip_special_tokens,
-                                                  params.stop, params.include_stop_str_in_output)
+        self.detokenizer = IncrementalDetokenizer(
+            tokenizer, self.prompt_ids, params.skip_special_tokens, params.stop, params.include_stop_str_in_output
+        )
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.admitted = False  # the scheduler has started it (sent a token, or anything but an immediate finish)
@@ -96,8 +99,12 @@ class RequestPipeline:
         if out.finish_reason in ("stop", "length"):
             stop = out.matched_stop
             visible = token_ids
-            if (isinstance(stop, int) and token_ids and token_ids[-1] == stop
-                    and not self.params.include_stop_str_in_output):
+            if (
+                isinstance(stop, int)
+                and token_ids
+                and token_ids[-1] == stop
+                and not self.params.include_stop_str_in_output
+            ):
                 # A stop token (EOS or stop_token_ids) ends the text without being part of it, though it counts
                 # as a completion token and stays in token_ids.
                 visible = token_ids[:-1]
@@ -118,5 +125,6 @@ class RequestPipeline:
         """Finish here, for a reason of the front end's (client gone: "abort"; engine lost: "error"). The caller
         tells the scheduler to drop the request; outputs that still arrive for it are to be ignored."""
         self.finished = True
-        return SequenceOutput(self.index, "", [], [], finished=True, finish_reason=finish_reason, error=error,
-                              error_status=error_status)
+        return SequenceOutput(
+            self.index, "", [], [], finished=True, finish_reason=finish_reason, error=error, error_status=error_status
+        )

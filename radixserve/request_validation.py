@@ -37,38 +37,52 @@ def check_prompt_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt")
     except OverflowError:  # an id beyond int64 (JSON integers are unbounded)
         outside = [i for i, token in enumerate(ids) if not 0 <= token < vocab_size]
     if outside:
-        raise InvalidRequest(f"{param} contains token id {ids[outside[0]]}, outside the vocabulary "
-                             f"[0, {vocab_size})", param)
+        raise InvalidRequest(
+            f"{param} contains token id {ids[outside[0]]}, outside the vocabulary [0, {vocab_size})", param
+        )
     return [int(t) for t in ids]
 
 
 def default_max_new_tokens(prompt_len: int, context_len: int) -> int:
     """The completion budget of a request that set none: the rest of the context (as OpenAI and vLLM do)."""
     if prompt_len >= context_len:
-        raise InvalidRequest(f"This model's maximum context length is {context_len} tokens. However, your request "
-                             f"has {prompt_len} input tokens. Please reduce the length of the input messages.")
+        raise InvalidRequest(
+            f"This model's maximum context length is {context_len} tokens. However, your request "
+            f"has {prompt_len} input tokens. Please reduce the length of the input messages."
+        )
     return context_len - prompt_len
 
 
 def check_context_length(prompt_len: int, max_new_tokens: int, context_len: int) -> None:
     if prompt_len + max_new_tokens > context_len:
-        raise InvalidRequest(f"This model's maximum context length is {context_len} tokens. However, you requested "
-                             f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the messages, {max_new_tokens} "
-                             f"in the completion). Please reduce the length of the messages or completion.")
+        raise InvalidRequest(
+            f"This model's maximum context length is {context_len} tokens. However, you requested "
+            f"{prompt_len + max_new_tokens} tokens ({prompt_len} in the messages, {max_new_tokens} "
+            f"in the completion). Please reduce the length of the messages or completion."
+        )
 
 
 def check_kv_pool(prompt_len: int, max_new_tokens: int, kv_pool_tokens: int) -> None:
     """One sequence holds one KV slot per token; more tokens than the pool has slots can never be held at once."""
     if prompt_len + max_new_tokens > kv_pool_tokens:
-        raise InvalidRequest(f"This server's KV cache holds at most {kv_pool_tokens} tokens per sequence (its KV pool, "
-                             f"or with --enable-layerwise-offload its host KV pool of --hicache-size). However, "
-                             f"you requested {prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, "
-                             f"{max_new_tokens} in the completion). Please reduce the length of the prompt or "
-                             f"max_tokens.", "max_tokens")
+        raise InvalidRequest(
+            f"This server's KV cache holds at most {kv_pool_tokens} tokens per sequence (its KV pool, "
+            f"or with --enable-layerwise-offload its host KV pool of --hicache-size). However, "
+            f"you requested {prompt_len + max_new_tokens} tokens ({prompt_len} in the prompt, "
+            f"{max_new_tokens} in the completion). Please reduce the length of the prompt or "
+            f"max_tokens.",
+            "max_tokens",
+        )
 
 
-def check_request(prompt_ids: Sequence[int], params: SamplingParams, vocab_size: int, context_len: int,
-                  param: str = "prompt", kv_pool_tokens: int | None = None) -> list[int]:
+def check_request(
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    vocab_size: int,
+    context_len: int,
+    param: str = "prompt",
+    kv_pool_tokens: int | None = None,
+) -> list[int]:
     """Everything a request must satisfy before it is queued; returns the prompt ids as a list of ints.
     kv_pool_tokens: the scheduler's total KV slots, once known (None skips that check)."""
     ids = check_prompt_ids(prompt_ids, vocab_size, param)

@@ -55,6 +55,7 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a message fit for an HTTP 400."""
+
         def bad(msg: str):
             raise ValueError(msg)
 
@@ -86,8 +87,10 @@ class SamplingParams(msgspec.Struct, omit_defaults=True):
             bad(f"logit_bias may have at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias.items():
             if math.isnan(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-                bad(f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
-                    f"got {bias} for token {token}")
+                bad(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias} for token {token}"
+                )
             if token < 0 or (vocab_size is not None and token >= vocab_size):
                 bad(f"logit_bias names token {token}, outside the vocabulary [0, {vocab_size})")
         if self.grammar_starts_after is not None and not 0 <= self.grammar_starts_after < (vocab_size or 2**31):

@@ -17,6 +17,8 @@ def load_tokenizer(path: str | Path):
     # Each import where it is used: importing AutoTokenizer alone already imports torch.
     if (Path(path) / "tokenizer.json").is_file():
         from transformers import PreTrainedTokenizerFast
+
         return PreTrainedTokenizerFast.from_pretrained(str(path))
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(path))

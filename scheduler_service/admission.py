@@ -29,10 +29,20 @@ class Admission:
     """This step's prefill chunks, and the start of each waiting request that gets one: its cached prefix matched
     and locked, a req_to_token row, and its move from the waiting queue to the running batch."""
 
-    def __init__(self, args: ServerArgs, context_len: int, tree: RadixCache, host_tier: HostTier | None,
-                 slot_allocator: TokenSlotAllocator, row_allocator: ReqPoolAllocator, waiting: deque[Req],
-                 running: list[Req], memory_pressure: MemoryPressure, new_token_ratio: NewTokenRatio,
-                 stats: SchedulerStats):
+    def __init__(
+        self,
+        args: ServerArgs,
+        context_len: int,
+        tree: RadixCache,
+        host_tier: HostTier | None,
+        slot_allocator: TokenSlotAllocator,
+        row_allocator: ReqPoolAllocator,
+        waiting: deque[Req],
+        running: list[Req],
+        memory_pressure: MemoryPressure,
+        new_token_ratio: NewTokenRatio,
+        stats: SchedulerStats,
+    ):
         """waiting and running are the Scheduler's (changed in place); memory_pressure evicts to make room;
         new_token_ratio is the share of outputs to reserve; stats counts the cached prompt tokens."""
         self.args = args
@@ -47,8 +57,9 @@ class Admission:
         self.new_token_ratio = new_token_ratio
         self.stats = stats
 
-    def prefill_entries(self, budget: int, decodes: list[Req], reused: list[ReusedSlots],
-                        step: int) -> list[tuple[Req, int]]:
+    def prefill_entries(
+        self, budget: int, decodes: list[Req], reused: list[ReusedSlots], step: int
+    ) -> list[tuple[Req, int]]:
         """(request, tokens to compute) for the next chunk of requests already prefilling, then for newly admitted
         requests, within budget tokens. decodes: this step's decodes, one slot each already promised; a new
         request's cached prefix is appended to reused (the worker points its row at those slots)."""
@@ -87,13 +98,17 @@ class Admission:
             # request computes its whole prompt (as SGLang matches nothing below a request's logprob_start_len).
             matchable = 0 if req.prompt_logprobs is not None and not req.output_ids else len(fill) - 1
             # No hit yet: a request that waits is looked up again every step (its hit is counted on admission).
-            match = self.tree.match_prefix(fill[:matchable], namespace=req.cache_salt, priority=req.priority,
-                                           record_hit=False)
+            match = self.tree.match_prefix(
+                fill[:matchable], namespace=req.cache_salt, priority=req.priority, record_hit=False
+            )
             if self.host_tier is not None:  # more of the prompt kept in host memory comes back by a copy, not compute
                 match = self.host_tier.load(fill[:matchable], match, req.cache_salt, req.priority, reserve=committed)
             prefix_len = len(match.slots)
-            if matchable and self._shares_prefix_with(fill, prefix_len,  # (nothing to share without a match)
-                                                      [f for s, f in admitted_fills if s == req.cache_salt]):
+            if matchable and self._shares_prefix_with(
+                fill,
+                prefix_len,  # (nothing to share without a match)
+                [f for s, f in admitted_fills if s == req.cache_salt],
+            ):
                 continue  # wait one step and reuse that request's prefix from the tree instead of recomputing it
             n = min(len(fill) - prefix_len, budget)
             need = n + req.remaining_new_tokens * ratio

@@ -30,6 +30,7 @@ class ScheduledBatch:
 class SentPrefixGroups(NamedTuple):
     """The decode groups of the last step that had any, and the message sent for them: while the same decodes sit
     in the same places of the batch, the next step sends the same message without building it again."""
+
     groups: list[PrefixGroup] | None  # DecodeGrouper.groups()'s list (the same object while nothing changed)
     first_decode: int  # the batch index of the first decode (group members are counted from there)
     message: PrefixGroups | None
@@ -44,9 +45,11 @@ def worker_request(req: Req) -> WorkerRequest:
     """What the workers need to sample for a request in its row: sent with its first batch there."""
     p = req.params
     return WorkerRequest(
-        req_pool_idx=req.req_pool_idx, params=p,
+        req_pool_idx=req.req_pool_idx,
+        params=p,
         penalty_prompt_ids=req.prompt_ids.tobytes() if p.repetition_penalty != 1.0 else b"",
-        output_ids=pack_i32(req.output_ids) if req.output_ids else b"")
+        output_ids=pack_i32(req.output_ids) if req.output_ids else b"",
+    )
 
 
 def shared_once(reused: list[ReusedSlots]) -> list[ReusedSlots]:
@@ -60,8 +63,13 @@ def shared_once(reused: list[ReusedSlots]) -> list[ReusedSlots]:
 
 
 class BatchBuilder:
-    def __init__(self, slot_allocator: TokenSlotAllocator, decode_batch: DecodeBatch,
-                 decode_grouper: DecodeGrouper | None, stats: SchedulerStats):
+    def __init__(
+        self,
+        slot_allocator: TokenSlotAllocator,
+        decode_batch: DecodeBatch,
+        decode_grouper: DecodeGrouper | None,
+        stats: SchedulerStats,
+    ):
         """decode_batch: the running decodes as arrays, recorded here and advanced by advance_decodes();
         decode_grouper: None when decodes are never grouped; stats counts steps and tokens."""
         self.slot_allocator = slot_allocator
@@ -76,9 +84,16 @@ class BatchBuilder:
         run = self.decode_batch.run
         new_slots = self.slot_allocator.alloc(len(run.reqs))
         prefix_lens, input_ids, decodes = self.decode_batch.advance(new_slots)
-        batch = ForwardBatch(step=step, req_pool_indices=run.rows, prefix_lens=prefix_lens,
-                             extend_lens=run.ones, input_ids=input_ids, out_cache_loc=new_slots.tobytes(),
-                             sample_mask=run.sample_mask, prefix_groups=run.prefix_groups)
+        batch = ForwardBatch(
+            step=step,
+            req_pool_indices=run.rows,
+            prefix_lens=prefix_lens,
+            extend_lens=run.ones,
+            input_ids=input_ids,
+            out_cache_loc=new_slots.tobytes(),
+            sample_mask=run.sample_mask,
+            prefix_groups=run.prefix_groups,
+        )
         self.stats.steps += 1
         self.stats.incremental_decode_steps += 1
         self.stats.decode_tokens += len(run.reqs)
@@ -109,8 +124,8 @@ class BatchBuilder:
                 if decode_tokens:
                     input_ids.append(np.asarray(decode_tokens, dtype=np.int32))
                     decode_tokens = []
-                input_ids.append(np.asarray(req.fill_ids()[start:start + n], dtype=np.int32))
-                req.slots[start:start + n] = new_slots[offset:offset + n]
+                input_ids.append(np.asarray(req.fill_ids()[start : start + n], dtype=np.int32))
+                req.slots[start : start + n] = new_slots[offset : offset + n]
             offset += n
             rows.append(req.req_pool_idx)
             prefix_lens.append(start)
@@ -123,10 +138,16 @@ class BatchBuilder:
         groups = self._prefix_groups(entries, prefills, rows)
         batch = ForwardBatch(
             step=step,
-            req_pool_indices=pack_i32(rows), prefix_lens=pack_i32(prefix_lens), extend_lens=pack_i32(extend_lens),
-            input_ids=np.concatenate(input_ids).tobytes(), out_cache_loc=new_slots.tobytes(),
-            sample_mask=bytes(samples), new_requests=new_requests, reused_slots=shared_once(reused),
-            prefix_groups=groups.message)
+            req_pool_indices=pack_i32(rows),
+            prefix_lens=pack_i32(prefix_lens),
+            extend_lens=pack_i32(extend_lens),
+            input_ids=np.concatenate(input_ids).tobytes(),
+            out_cache_loc=new_slots.tobytes(),
+            sample_mask=bytes(samples),
+            new_requests=new_requests,
+            reused_slots=shared_once(reused),
+            prefix_groups=groups.message,
+        )
         self.stats.steps += 1
         decode_tokens = prefills.count(False)
         self.stats.decode_tokens += decode_tokens
@@ -134,8 +155,9 @@ class BatchBuilder:
         reqs = [r for r, _ in entries]
         decodes = None
         if decode_tokens == len(entries) and all(samples):  # decodes alone: the next steps may advance them as arrays
-            decodes = self.decode_batch.record(reqs, rows, [k + 1 for k in prefix_lens], groups.message,
-                                               groups.grouped_decodes, groups.tokens_saved)
+            decodes = self.decode_batch.record(
+                reqs, rows, [k + 1 for k in prefix_lens], groups.message, groups.grouped_decodes, groups.tokens_saved
+            )
         else:
             self.decode_batch.clear()
         return ScheduledBatch(batch, reqs, samples, prefills, decodes)
@@ -159,9 +181,12 @@ class BatchBuilder:
         if groups is not sent.groups or first_decode != sent.first_decode:  # else the same decodes in the same rows
             shifted = [g._replace(members=tuple(first_decode + m for m in g.members)) for g in groups]
             tables = group_tables(shifted, rows)
-            message = PrefixGroups(prefix_lens=tables.group_prefix_lens.tobytes(),
-                                   prefix_rows=tables.group_prefix_rows.tobytes(), req_group=tables.req_group.tobytes(),
-                                   req_suffix_start=tables.req_suffix_start.tobytes())
+            message = PrefixGroups(
+                prefix_lens=tables.group_prefix_lens.tobytes(),
+                prefix_rows=tables.group_prefix_rows.tobytes(),
+                req_group=tables.req_group.tobytes(),
+                req_suffix_start=tables.req_suffix_start.tobytes(),
+            )
             saved = sum((len(g.members) - 1) * g.prefix_len for g in groups)
             sent = self._sent_groups = SentPrefixGroups(groups, first_decode, message, len(tables.group_members), saved)
         self.stats.grouped_decodes += sent.grouped_decodes

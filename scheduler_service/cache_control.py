@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from radixserve.protocol import (ListPinsRequest, PinEntry, PinPrefixRequest, PinsReply, UnpinPrefixRequest,
-                                 unpack_i32)
+from radixserve.protocol import ListPinsRequest, PinEntry, PinPrefixRequest, PinsReply, UnpinPrefixRequest, unpack_i32
 from radixserve.sampling import SamplingParams
 from scheduler_service.request import Req
 from scheduler_service.step_output import StepOutput
@@ -49,8 +48,13 @@ class _PendingPin:
 
 def pin_entry(info) -> PinEntry:
     """The socket form of a RadixCache PinInfo."""
-    return PinEntry(info.id, info.namespace, int(info.num_tokens), float(info.created_at),
-                    None if info.expires_at is None else float(info.expires_at))
+    return PinEntry(
+        info.id,
+        info.namespace,
+        int(info.num_tokens),
+        float(info.created_at),
+        None if info.expires_at is None else float(info.expires_at),
+    )
 
 
 class CacheControl:
@@ -80,8 +84,9 @@ class CacheControl:
                     return self._reply(message.request_id, 200, pins=[pin_entry(pins[message.pin_id])])
             return self._reply(message.request_id, 404, f"no pin with id {message.pin_id!r}")
         if isinstance(message, ListPinsRequest):
-            return self._reply(message.request_id, 200,
-                               pins=[pin_entry(p) for tree in self._trees() for p in tree.list_pins()])
+            return self._reply(
+                message.request_id, 200, pins=[pin_entry(p) for tree in self._trees() for p in tree.list_pins()]
+            )
         raise TypeError(f"not a pin message: {type(message).__name__}")
 
     def _pin(self, message: PinPrefixRequest) -> PinsReply | None:
@@ -89,8 +94,9 @@ class CacheControl:
         if len(tokens) == 0:
             return self._reply(message.request_id, 400, "nothing to pin: the prompt is empty")
         if self.tree.disable:
-            return self._reply(message.request_id, 400, "the radix cache is off (--disable-radix-cache): "
-                                                        "there is nothing to pin")
+            return self._reply(
+                message.request_id, 400, "the radix cache is off (--disable-radix-cache): there is nothing to pin"
+            )
         bound = self._where(tokens)[1]
         if len(tokens) > bound:
             return self._reply(message.request_id, 409, self._over_bound(len(tokens), bound=bound))
@@ -103,10 +109,17 @@ class CacheControl:
         goes into the tree when it finishes."""
         pending.attempts += 1
         if pending.attempts > MAX_ATTEMPTS:
-            return self._reply(pending.request_id, 503, "the prefix kept being evicted before it could be pinned "
-                                                        "(the KV cache is under pressure); try again later")
-        req = Req(f"{INTERNAL_RID_PREFIX}{uuid.uuid4().hex}", pending.tokens,
-                  SamplingParams(max_new_tokens=1, temperature=0.0))
+            return self._reply(
+                pending.request_id,
+                503,
+                "the prefix kept being evicted before it could be pinned "
+                "(the KV cache is under pressure); try again later",
+            )
+        req = Req(
+            f"{INTERNAL_RID_PREFIX}{uuid.uuid4().hex}",
+            pending.tokens,
+            SamplingParams(max_new_tokens=1, temperature=0.0),
+        )
         req.cache_salt = pending.cache_salt
         try:
             self.scheduler.add_request(req)
@@ -126,8 +139,13 @@ class CacheControl:
             pinned = tree.pinned_size
             tree.unpin(info.id)
             return self._reply(pending.request_id, 409, self._over_bound(len(pending.tokens), pinned, bound))
-        logger.info("pinned %d tokens as %s (cache_salt=%r, ttl=%s)", len(pending.tokens), info.id,
-                    pending.cache_salt, pending.ttl_seconds)
+        logger.info(
+            "pinned %d tokens as %s (cache_salt=%r, ttl=%s)",
+            len(pending.tokens),
+            info.id,
+            pending.cache_salt,
+            pending.ttl_seconds,
+        )
         return self._reply(pending.request_id, 200, pins=[pin_entry(info)])
 
     def _where(self, tokens) -> tuple:
@@ -145,8 +163,10 @@ class CacheControl:
             return "pinning is turned off on this server (--max-pinned-tokens 0)"
         after = f" would make {pinned_after} tokens pinned" if pinned_after is not None else ""
         limit = self.max_pinned_tokens if bound is None else bound
-        return (f"pinning these {num_tokens} tokens{after}, more than this server's limit of "
-                f"{limit} pinned tokens (--max-pinned-tokens); unpin something first")
+        return (
+            f"pinning these {num_tokens} tokens{after}, more than this server's limit of "
+            f"{limit} pinned tokens (--max-pinned-tokens); unpin something first"
+        )
 
     def _reply(self, request_id: str, status: int, message: str = "", pins: list[PinEntry] = ()) -> PinsReply:
         return PinsReply(request_id, status, message, list(pins), sum(int(t.pinned_size) for t in self._trees()))

@@ -29,13 +29,20 @@ def cache_numbers(scheduler) -> dict[str, int | float | str | bool | None]:
     computed, hit = s.stats.prefill_tokens_computed, s.stats.cached_prompt_tokens
     host = s.host_tier  # None without --hicache-size
     return {
-        "kv_total": usage["total"], "kv_free": usage["free"], "kv_cached": usage["evictable"],
-        "kv_in_use": usage["owned"] + tree.locked_size, "kv_pinned": pinned, "num_pins": len(tree.list_pins()),
-        "prompt_tokens_computed": computed, "prompt_tokens_cached": hit,
+        "kv_total": usage["total"],
+        "kv_free": usage["free"],
+        "kv_cached": usage["evictable"],
+        "kv_in_use": usage["owned"] + tree.locked_size,
+        "kv_pinned": pinned,
+        "num_pins": len(tree.list_pins()),
+        "prompt_tokens_computed": computed,
+        "prompt_tokens_cached": hit,
         # Of every prompt token the scheduler needed, the share it found in the cache (since start).
         "cache_hit_rate": hit / (computed + hit) if computed + hit else 0.0,
-        "decode_tokens": s.stats.decode_tokens, "steps": s.stats.steps,
-        "eviction_policy": tree.eviction_policy, "evicted_tokens": tree.evicted_tokens,
+        "decode_tokens": s.stats.decode_tokens,
+        "steps": s.stats.steps,
+        "eviction_policy": tree.eviction_policy,
+        "evicted_tokens": tree.evicted_tokens,
         "radix_cache": not tree.disable,
         "hicache": host is not None,
         "hicache_capacity_tokens": host.capacity_tokens if host is not None else 0,
@@ -49,16 +56,40 @@ def cache_numbers(scheduler) -> dict[str, int | float | str | bool | None]:
 def cache_stats(scheduler, request_id: str) -> CacheStats:
     s = scheduler
     numbers = {"num_running": s.num_running, "num_waiting": len(s.waiting), **cache_numbers(s)}
-    prefixes = [CachedPrefix(pack_i32(p["tokens"]), int(p["num_tokens"]), int(p["hits"]), float(p["last_use"]),
-                             bool(p["pinned"]), p["namespace"])
-                for p in s.tree.largest_prefixes(LARGEST_PREFIXES)]
+    prefixes = [
+        CachedPrefix(
+            pack_i32(p["tokens"]),
+            int(p["num_tokens"]),
+            int(p["hits"]),
+            float(p["last_use"]),
+            bool(p["pinned"]),
+            p["namespace"],
+        )
+        for p in s.tree.largest_prefixes(LARGEST_PREFIXES)
+    ]
     return CacheStats(request_id, numbers, prefixes)
 
 
 # What --dp-size > 1 sums over the replicas (the rest, settings, is the first replica's).
-COUNTS = ("num_running", "num_waiting", "kv_total", "kv_free", "kv_cached", "kv_in_use", "kv_pinned",
-          "prompt_tokens_computed", "prompt_tokens_cached", "decode_tokens", "steps", "evicted_tokens",
-          "hicache_capacity_tokens", "hicache_tokens", "hicache_hits", "hicache_loaded_tokens", "hicache_saved_tokens")
+COUNTS = (
+    "num_running",
+    "num_waiting",
+    "kv_total",
+    "kv_free",
+    "kv_cached",
+    "kv_in_use",
+    "kv_pinned",
+    "prompt_tokens_computed",
+    "prompt_tokens_cached",
+    "decode_tokens",
+    "steps",
+    "evicted_tokens",
+    "hicache_capacity_tokens",
+    "hicache_tokens",
+    "hicache_hits",
+    "hicache_loaded_tokens",
+    "hicache_saved_tokens",
+)
 
 
 def merge_cache_numbers(replicas: list[dict]) -> dict:
@@ -81,8 +112,17 @@ def merge_cache_stats(request_id: str, replies: list[CacheStats]) -> CacheStats:
     for p in (p for r in replies for p in r.largest_prefixes):
         key = (p.first_tokens, p.num_tokens, p.namespace)
         seen = same.get(key)
-        same[key] = p if seen is None else CachedPrefix(p.first_tokens, p.num_tokens, seen.hits + p.hits,
-                                                         max(seen.last_use, p.last_use), seen.pinned or p.pinned,
-                                                         p.namespace)
+        same[key] = (
+            p
+            if seen is None
+            else CachedPrefix(
+                p.first_tokens,
+                p.num_tokens,
+                seen.hits + p.hits,
+                max(seen.last_use, p.last_use),
+                seen.pinned or p.pinned,
+                p.namespace,
+            )
+        )
     prefixes = sorted(same.values(), key=lambda p: p.num_tokens, reverse=True)
     return CacheStats(request_id, numbers, prefixes[:LARGEST_PREFIXES])

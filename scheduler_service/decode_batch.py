@@ -32,6 +32,7 @@ from radixserve.protocol import PrefixGroups
 class DecodeRun:
     """What does not change while the running set stays the same: the requests, in batch order, and per request
     its row and which token counts or ids could end it."""
+
     reqs: list  # Req, batch order == scheduler.running
     rows: bytes  # int32 req_pool_indices
     ones: bytes  # int32 extend_lens
@@ -52,6 +53,7 @@ class DecodeRun:
 @dataclass(eq=False)
 class DecodeStep:
     """One batch of decodes alone, as its results need it: the run, and each request's outputs before its sample."""
+
     run: DecodeRun
     num_outputs: np.ndarray  # int64
 
@@ -78,8 +80,15 @@ class DecodeBatch:
         """True when the next batch is one more token for each request of the last batch, and nothing else."""
         return self.next_input_ids is not None and self.run.reqs == running
 
-    def record(self, reqs: list, rows: list[int], kv_lens: list[int], prefix_groups: PrefixGroups | None,
-               grouped: int, saved: int) -> DecodeStep | None:
+    def record(
+        self,
+        reqs: list,
+        rows: list[int],
+        kv_lens: list[int],
+        prefix_groups: PrefixGroups | None,
+        grouped: int,
+        saved: int,
+    ) -> DecodeStep | None:
         """Keep a batch of decodes alone that the general path just built (kv_lens: after it)."""
         if not self.enabled or not reqs:
             self.clear()
@@ -87,14 +96,21 @@ class DecodeBatch:
         n = len(reqs)
         prompt_tokens = [len(req.prompt_ids) for req in reqs]
         self.run = DecodeRun(
-            reqs=list(reqs), rows=np.asarray(rows, dtype=np.int32).tobytes(),
-            ones=np.ones(n, dtype=np.int32).tobytes(), sample_mask=bytes([1]) * n, samples=[True] * n,
+            reqs=list(reqs),
+            rows=np.asarray(rows, dtype=np.int32).tobytes(),
+            ones=np.ones(n, dtype=np.int32).tobytes(),
+            sample_mask=bytes([1]) * n,
+            samples=[True] * n,
             prefills=[False] * n,
             limits=np.minimum([r.params.max_new_tokens for r in reqs], self.context_len - np.asarray(prompt_tokens)),
             always_check=np.asarray([req.stop_matcher is not None or bool(req.params.stop_token_ids) for req in reqs]),
-            prefix_groups=prefix_groups, grouped_decodes=grouped, shared_prefix_tokens_saved=saved,
-            rids=[req.rid for req in reqs], prompt_tokens=prompt_tokens,
-            cached_tokens=[req.cached_tokens or 0 for req in reqs])
+            prefix_groups=prefix_groups,
+            grouped_decodes=grouped,
+            shared_prefix_tokens_saved=saved,
+            rids=[req.rid for req in reqs],
+            prompt_tokens=prompt_tokens,
+            cached_tokens=[req.cached_tokens or 0 for req in reqs],
+        )
         self.kv_lens = np.asarray(kv_lens, dtype=np.int32)
         self.num_outputs = np.asarray([len(req.output_ids) for req in reqs], dtype=np.int64)
         self.next_input_ids = None

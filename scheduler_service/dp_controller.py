@@ -16,31 +16,77 @@ from radixserve.runtime.data_parallel import replica_endpoints
 from radixserve.runtime.ipc import Channel, Endpoints
 from radixserve.runtime.process_util import run_child
 from radixserve.protocol import KvBlockEvents
-from radixserve.protocol import (AbortRequest, BatchOutput, CacheEvents, FlushCacheRequest, FlushCacheResult,
-                                 ReplicaToController, SchedulerLoad, ServerInfo, ServerInfoRequest, TokenizedRequest,
-                                 TokenizerToScheduler, unpack_i32)
+from radixserve.protocol import (
+    AbortRequest,
+    BatchOutput,
+    CacheEvents,
+    FlushCacheRequest,
+    FlushCacheResult,
+    ReplicaToController,
+    SchedulerLoad,
+    ServerInfo,
+    ServerInfoRequest,
+    TokenizedRequest,
+    TokenizerToScheduler,
+    unpack_i32,
+)
 from radixserve.protocol import ListPinsRequest, PinPrefixRequest, PinsReply, UnpinPrefixRequest
 from radixserve.protocol import CacheStats, CacheStatsRequest
 from scheduler_service.cache_stats import merge_cache_numbers, merge_cache_stats
 from scheduler_service.dp_pins import ReplicatedPins
 from scheduler_service.dp_router import DataParallelRouter
 
-SUMMED = ("num_running", "num_waiting", "kv_total", "kv_free", "kv_evictable", "kv_protected", "kv_owned", "steps",
-          "prefill_tokens_computed", "cached_prompt_tokens", "retractions")
-PER_REPLICA = ("num_running", "num_waiting", "kv_owned", "kv_protected", "prefill_tokens_computed",
-               "cached_prompt_tokens", "kv_total", "kv_free", "kv_evictable", "kv_pinned", "num_pins",
-               "kv_invariant_ok")
+SUMMED = (
+    "num_running",
+    "num_waiting",
+    "kv_total",
+    "kv_free",
+    "kv_evictable",
+    "kv_protected",
+    "kv_owned",
+    "steps",
+    "prefill_tokens_computed",
+    "cached_prompt_tokens",
+    "retractions",
+)
+PER_REPLICA = (
+    "num_running",
+    "num_waiting",
+    "kv_owned",
+    "kv_protected",
+    "prefill_tokens_computed",
+    "cached_prompt_tokens",
+    "kv_total",
+    "kv_free",
+    "kv_evictable",
+    "kv_pinned",
+    "num_pins",
+    "kv_invariant_ok",
+)
 # The dashboard's numbers (/v1/cache/stats) also given per replica, as dp<i>_<name>.
-PER_REPLICA_CACHE = ("num_running", "num_waiting", "kv_total", "kv_free", "kv_cached", "kv_in_use", "kv_pinned",
-                     "num_pins", "cache_hit_rate", "prompt_tokens_cached", "prompt_tokens_computed", "evicted_tokens")
+PER_REPLICA_CACHE = (
+    "num_running",
+    "num_waiting",
+    "kv_total",
+    "kv_free",
+    "kv_cached",
+    "kv_in_use",
+    "kv_pinned",
+    "num_pins",
+    "cache_hit_rate",
+    "prompt_tokens_cached",
+    "prompt_tokens_computed",
+    "evicted_tokens",
+)
 
 
 class DataParallelController:
     def __init__(self, args: ServerArgs, endpoints: Endpoints):
         self.args = args
         ctx = zmq.Context()
-        self.from_front = Channel(ctx, zmq.PULL, endpoints.tokenizer_to_scheduler, bind=True,
-                                  recv_type=TokenizerToScheduler)
+        self.from_front = Channel(
+            ctx, zmq.PULL, endpoints.tokenizer_to_scheduler, bind=True, recv_type=TokenizerToScheduler
+        )
         self.to_front = Channel(ctx, zmq.PUSH, endpoints.scheduler_to_tokenizer, bind=False)
         replicas = [replica_endpoints(endpoints, i) for i in range(args.dp_size)]
         self.to_replicas = [Channel(ctx, zmq.PUSH, ep.tokenizer_to_scheduler, bind=False) for ep in replicas]
@@ -80,7 +126,7 @@ class DataParallelController:
             self.to_replicas[i].send(message)
         elif isinstance(message, AbortRequest):
             owner = self.router.owner.get(message.rid)
-            for i in ([owner] if owner is not None else range(len(self.to_replicas))):
+            for i in [owner] if owner is not None else range(len(self.to_replicas)):
                 self.to_replicas[i].send(message)
         elif isinstance(message, (PinPrefixRequest, ListPinsRequest, UnpinPrefixRequest)):
             self._pin_step(*self.pins.from_front(message))
@@ -102,9 +148,24 @@ class DataParallelController:
                         self.router.finished(out.rid)
                 # The front end's gauges (running, waiting, KV slots) are of the whole server: every replica's sum.
                 self.loads[i] = message.load
-                message.load = SchedulerLoad(*(sum(column) for column in zip(*(
-                    (load.num_running, load.num_waiting, load.kv_slots_used, load.kv_slots_cached, load.kv_slots_total)
-                    for load in self.loads if load is not None))))
+                message.load = SchedulerLoad(
+                    *(
+                        sum(column)
+                        for column in zip(
+                            *(
+                                (
+                                    load.num_running,
+                                    load.num_waiting,
+                                    load.kv_slots_used,
+                                    load.kv_slots_cached,
+                                    load.kv_slots_total,
+                                )
+                                for load in self.loads
+                                if load is not None
+                            )
+                        )
+                    )
+                )
                 self.to_front.send(message)
             elif isinstance(message, CacheEvents):
                 self.router.replicas[i].apply(message)

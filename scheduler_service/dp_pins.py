@@ -83,11 +83,15 @@ class ReplicatedPins:
         refused = [(k, r) for k, r in enumerate(replies) if r.status != 200]
         if refused:
             # All or nothing: a pin on some replicas only would be a pin that most requests miss.
-            undo = [(k, UnpinPrefixRequest(f"{UNDO_PREFIX}{request_id}-{k}", r.pins[0].id))
-                    for k, r in enumerate(replies) if r.status == 200 and r.pins]
+            undo = [
+                (k, UnpinPrefixRequest(f"{UNDO_PREFIX}{request_id}-{k}", r.pins[0].id))
+                for k, r in enumerate(replies)
+                if r.status == 200 and r.pins
+            ]
             k, first = refused[0]
-            return undo, PinsReply(request_id, first.status, f"replica {k}: {first.message}", [],
-                                   max(r.pinned_tokens for r in replies))
+            return undo, PinsReply(
+                request_id, first.status, f"replica {k}: {first.message}", [], max(r.pinned_tokens for r in replies)
+            )
         self._forget_expired()
         pin_id = f"pin-{secrets.token_hex(8)}"  # unguessable, like the replicas' own (radixserve/cache/pins.py)
         entries = [r.pins[0] for r in replies]
@@ -126,5 +130,11 @@ def _merged(pin_id: str, entries: list[tuple[int, PinEntry]]) -> PinEntry:
     """One pin from its replicas' entries: in place since the last replica pinned it, until the last expiry."""
     first = entries[0][1]
     expiries = [e.expires_at for _, e in entries]
-    return PinEntry(pin_id, first.cache_salt, first.num_tokens, max(e.created_at for _, e in entries),
-                    None if None in expiries else max(expiries), [k for k, _ in entries])
+    return PinEntry(
+        pin_id,
+        first.cache_salt,
+        first.num_tokens,
+        max(e.created_at for _, e in entries),
+        None if None in expiries else max(expiries),
+        [k for k, _ in entries],
+    )

@@ -19,9 +19,17 @@ logger = logging.getLogger(__name__)
 
 
 class Endings:
-    def __init__(self, tree: RadixCache, slot_allocator: TokenSlotAllocator, row_allocator: ReqPoolAllocator,
-                 long: LongContext | None, running: list[Req], finishing: list[Req], requests: dict[str, Req],
-                 outputs: list[StepOutput]):
+    def __init__(
+        self,
+        tree: RadixCache,
+        slot_allocator: TokenSlotAllocator,
+        row_allocator: ReqPoolAllocator,
+        long: LongContext | None,
+        running: list[Req],
+        finishing: list[Req],
+        requests: dict[str, Req],
+        outputs: list[StepOutput],
+    ):
         """running, finishing, requests and outputs are the Scheduler's own containers (changed in place, never
         rebound); long: layer-wise offload's requests, which keep their KV in host memory (long_context.py)."""
         self.tree = tree
@@ -49,12 +57,12 @@ class Endings:
             return self.long.release(req, insert)
         if insert and not self.tree.disable:
             # The last sampled token has no KV yet; everything before it does.
-            fill = req.fill_ids()[:req.kv_len]
-            self.tree.insert(fill, req.slots[:req.kv_len], namespace=req.cache_salt, priority=req.priority)
+            fill = req.fill_ids()[: req.kv_len]
+            self.tree.insert(fill, req.slots[: req.kv_len], namespace=req.cache_salt, priority=req.priority)
         elif insert:
-            self.slot_allocator.free(req.slots[:req.kv_len])
+            self.slot_allocator.free(req.slots[: req.kv_len])
         else:
-            self.slot_allocator.free(req.slots[req.tree_len:req.kv_len])
+            self.slot_allocator.free(req.slots[req.tree_len : req.kv_len])
         if req.last_node is not None:
             self.tree.dec_lock_ref(req.last_node)
             req.last_node = None

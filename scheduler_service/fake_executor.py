@@ -19,8 +19,9 @@ FIRST_TOKEN = 10  # sampled ids stay clear of the small ids tests use as EOS
 
 
 class FakeExecutor:
-    def __init__(self, num_kv_slots: int, max_running_requests: int, context_len: int, vocab_size: int = 1000,
-                 seed: int = 0):
+    def __init__(
+        self, num_kv_slots: int, max_running_requests: int, context_len: int, vocab_size: int = 1000, seed: int = 0
+    ):
         self.vocab_size = vocab_size
         self.kv_tokens = np.full(num_kv_slots + 1, -1, dtype=np.int64)  # token whose KV each slot holds
         self.req_to_token = np.zeros((max_running_requests + 1, context_len), dtype=np.int64)
@@ -44,13 +45,13 @@ class FakeExecutor:
         self.kv_tokens[new_slots] = input_ids
         offset = 0
         for row, start, n in zip(rows, prefix_lens, extend_lens):
-            self.req_to_token[row, start:start + n] = new_slots[offset:offset + n]
+            self.req_to_token[row, start : start + n] = new_slots[offset : offset + n]
             offset += n
         reused_slots = []
         for reused in batch.reused_slots:
             slots = unpack_i32(reused.slots) if reused.source < 0 else reused_slots[reused.source]
             reused_slots.append(slots)
-            self.req_to_token[reused.req_pool_idx, reused.start:reused.start + len(slots)] = slots
+            self.req_to_token[reused.req_pool_idx, reused.start : reused.start + len(slots)] = slots
         sampled = []
         for row, seq_len, samples in zip(rows, prefix_lens + extend_lens, batch.sample_mask):
             if samples:

@@ -22,9 +22,15 @@ class InProcessEngine(EngineBase):
         if self.args.tp_size != 1:
             raise ValueError("InProcessEngine runs one rank; use Engine for --tp-size > 1")
         self.runner = ModelRunner(self.args, self.model_dir)
-        self.scheduler = Scheduler(self.args, self.runner.num_kv_slots, self.runner.context_len,
-                                   self.model_config.eos_token_ids, self.tokenizer, self.runner.num_host_slots,
-                                   num_layers=self.model_config.num_layers)
+        self.scheduler = Scheduler(
+            self.args,
+            self.runner.num_kv_slots,
+            self.runner.context_len,
+            self.model_config.eos_token_ids,
+            self.tokenizer,
+            self.runner.num_host_slots,
+            num_layers=self.model_config.num_layers,
+        )
         self.kv_pool_tokens = self.scheduler.max_sequence_tokens()
         # The server's step loop, with the model runner in this process instead of the worker processes.
         self.loop = make_step_loop(self.scheduler, InProcessExecutor(self.runner))

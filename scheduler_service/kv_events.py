@@ -33,7 +33,7 @@ def block_hashes(tokens: np.ndarray, block_size: int, namespace: str | None) -> 
     step = 4 * block_size
     hashes = []
     for end in range(step, len(data) + 1, step):
-        running.update(data[end - step:end])
+        running.update(data[end - step : end])
         hashes.append(int.from_bytes(running.copy().digest(), "little", signed=True))
     return hashes
 
@@ -58,7 +58,7 @@ class KvBlockLog:
             return
         new = hashes[first:]
         self.live.update(new)
-        tokens = tokens[first * self.block_size:len(hashes) * self.block_size]
+        tokens = tokens[first * self.block_size : len(hashes) * self.block_size]
         self.events.append(KvBlocksStored(new, hashes[first - 1] if first else None, pack_i32(tokens), namespace))
 
     def evicted(self, path: np.ndarray, key: np.ndarray, namespace: str | None) -> None:

@@ -39,6 +39,7 @@ from scheduler_service.scheduler_stats import SchedulerStats
 class HostKV:
     """A long request's KV bookkeeping: the host slot of every position it may hold, the first prefix_len of them
     the tier tree's own (locked at `node`), the rest its own until it ends."""
+
     slots: np.ndarray  # int32
     prefix_len: int
     node: object  # the tier tree's node where the matched prefix ends (locked while the request runs)
@@ -63,8 +64,16 @@ class Job:
 
 
 class LongContext:
-    def __init__(self, args: ServerArgs, context_len: int, device_pool_tokens: int, host_tier: HostTier,
-                 row_allocator: ReqPoolAllocator, stats: SchedulerStats, num_layers: int):
+    def __init__(
+        self,
+        args: ServerArgs,
+        context_len: int,
+        device_pool_tokens: int,
+        host_tier: HostTier,
+        row_allocator: ReqPoolAllocator,
+        stats: SchedulerStats,
+        num_layers: int,
+    ):
         """device_pool_tokens: the GPU KV pool's size (longer requests come here); host_tier holds their KV;
         row_allocator: the req_to_token rows they share with ordinary requests; stats counts their tokens."""
         self.context_len = context_len
@@ -97,16 +106,22 @@ class LongContext:
         """ValueError (a 400) for a long request that can never run, naming the limit."""
         total = len(req.prompt_ids) + req.params.max_new_tokens
         if req.prompt_logprobs is not None:
-            raise ValueError(f"prompt logprobs (echo) are not served for requests longer than the KV pool "
-                             f"({self.device_pool_tokens} tokens): their prompt runs one layer at a time")
+            raise ValueError(
+                f"prompt logprobs (echo) are not served for requests longer than the KV pool "
+                f"({self.device_pool_tokens} tokens): their prompt runs one layer at a time"
+            )
         if total > self.buffer_tokens:
-            raise ValueError(f"this request holds up to {total} tokens, more than a layer-wise offload buffer holds "
-                             f"({self.buffer_tokens} tokens, --layerwise-offload-buffer-tokens)")
+            raise ValueError(
+                f"this request holds up to {total} tokens, more than a layer-wise offload buffer holds "
+                f"({self.buffer_tokens} tokens, --layerwise-offload-buffer-tokens)"
+            )
         room = self.tier.capacity_tokens - self.tier.tree.pinned_size
         if total > room:
             pinned = f", {self.tier.tree.pinned_size} of them pinned" if self.tier.tree.pinned_size else ""
-            raise ValueError(f"this request needs host KV for {total} tokens, but the host KV pool holds "
-                             f"{self.tier.capacity_tokens} tokens{pinned} (--hicache-size)")
+            raise ValueError(
+                f"this request needs host KV for {total} tokens, but the host KV pool holds "
+                f"{self.tier.capacity_tokens} tokens{pinned} (--hicache-size)"
+            )
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -133,7 +148,7 @@ class LongContext:
             tier.tree.insert(req.fill_ids()[:n], h.slots[:n], namespace=req.cache_salt, priority=req.priority)
             tier.allocator.free(h.slots[n:])
         else:
-            tier.allocator.free(h.slots[h.prefix_len:])
+            tier.allocator.free(h.slots[h.prefix_len :])
         tier.tree.dec_lock_ref(h.node)
         job = self.decode
         if job is not None and req in job.reqs:
@@ -193,8 +208,7 @@ class LongContext:
     def _decoders(self) -> list[Req]:
         """Long requests ready for their next token: every position but the last output's has KV (or is being
         computed), and the token in flight is not their last."""
-        return [r for r in self.running
-                if r.output_ids and not r.finishing and r.kv_len == r.num_fill - 1]
+        return [r for r in self.running if r.output_ids and not r.finishing and r.kv_len == r.num_fill - 1]
 
     def _start_decode(self, decoders: list[Req]) -> Job:
         """One token for as many of them as fit one ring buffer side by side, longest waiting first."""
@@ -221,7 +235,7 @@ class LongContext:
             return None
         req = self.waiting[0]
         fill = req.fill_ids()
-        match = tier.tree.match_prefix(fill[:len(fill) - 1], namespace=req.cache_salt, priority=req.priority)
+        match = tier.tree.match_prefix(fill[: len(fill) - 1], namespace=req.cache_salt, priority=req.priority)
         prefix = len(match.slots)
         need = len(req.prompt_ids) + req.params.max_new_tokens - prefix
         tier.tree.inc_lock_ref(match.last_node)
@@ -250,9 +264,18 @@ class LongContext:
 
     def _new_job(self, prefill: bool, reqs: list[Req], units_per_layer: int, prefix_lens, extend_lens, ids) -> Job:
         self.jobs += 1
-        return Job(next(self._job_ids), prefill, reqs, units_per_layer, units_per_layer * self.num_layers,
-                   pack_i32([r.req_pool_idx for r in reqs]), pack_i32(prefix_lens), pack_i32(extend_lens),
-                   pack_i32(ids), self.chunk if prefill else 0)
+        return Job(
+            next(self._job_ids),
+            prefill,
+            reqs,
+            units_per_layer,
+            units_per_layer * self.num_layers,
+            pack_i32([r.req_pool_idx for r in reqs]),
+            pack_i32(prefix_lens),
+            pack_i32(extend_lens),
+            pack_i32(ids),
+            self.chunk if prefill else 0,
+        )
 
     def _scheduled(self, step: int, job: Job, first: int, n: int, last: bool) -> ScheduledBatch:
         new_requests, new_long = [], []
@@ -266,10 +289,16 @@ class LongContext:
                     req.host_kv.sent = True
         b = len(job.reqs)
         batch = ForwardBatch(
-            step=step, req_pool_indices=job.rows, prefix_lens=job.prefix_lens, extend_lens=job.extend_lens,
-            input_ids=job.input_ids if first == 0 else b"", out_cache_loc=b"", sample_mask=bytes([last]) * b,
+            step=step,
+            req_pool_indices=job.rows,
+            prefix_lens=job.prefix_lens,
+            extend_lens=job.extend_lens,
+            input_ids=job.input_ids if first == 0 else b"",
+            out_cache_loc=b"",
+            sample_mask=bytes([last]) * b,
             new_requests=new_requests,
-            long=LongWork(job.id, job.prefill, first, n, job.chunk_size, new_long))
+            long=LongWork(job.id, job.prefill, first, n, job.chunk_size, new_long),
+        )
         self.stats.steps += 1
         if last:
             if job is self.decode:
@@ -282,7 +311,12 @@ class LongContext:
 
     # ------------------------------------------------------------------ reports
     def info(self) -> dict:
-        return {"long_running": len(self.running), "long_waiting": len(self.waiting), "long_jobs": self.jobs,
-                "long_steps": self.steps, "long_max_decode_batch": self.max_decode_batch,
-                "long_max_tokens": self.max_tokens(),
-                "host_kv_owned": self.owned_host_slots()}
+        return {
+            "long_running": len(self.running),
+            "long_waiting": len(self.waiting),
+            "long_jobs": self.jobs,
+            "long_steps": self.steps,
+            "long_max_decode_batch": self.max_decode_batch,
+            "long_max_tokens": self.max_tokens(),
+            "host_kv_owned": self.owned_host_slots(),
+        }

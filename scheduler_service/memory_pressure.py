@@ -40,9 +40,19 @@ class MemoryPressure:
     """Room in the KV pool for this step: eviction for admission's chunks, retraction for the running batch's
     decodes, and the end of a request that can never fit."""
 
-    def __init__(self, args: ServerArgs, chunked_prefill_size: int, tree: RadixCache,
-                 slot_allocator: TokenSlotAllocator, waiting: deque[Req], running: list[Req], finishing: list[Req],
-                 endings: Endings, new_token_ratio: NewTokenRatio, stats: SchedulerStats):
+    def __init__(
+        self,
+        args: ServerArgs,
+        chunked_prefill_size: int,
+        tree: RadixCache,
+        slot_allocator: TokenSlotAllocator,
+        waiting: deque[Req],
+        running: list[Req],
+        finishing: list[Req],
+        endings: Endings,
+        new_token_ratio: NewTokenRatio,
+        stats: SchedulerStats,
+    ):
         """waiting, running and finishing are the Scheduler's (changed in place); endings gives a victim's KV back;
         a retraction raises new_token_ratio; stats counts evictions and retractions."""
         self.args = args
@@ -99,10 +109,16 @@ class MemoryPressure:
         self.stats.retractions += 1
         # Retraction means we were too optimistic about output lengths: reserve more from now on.
         self.new_token_ratio.raise_after_retraction()
-        logger.info("retracted %s (out=%d); new_token_ratio=%.2f", victim.rid, len(victim.output_ids),
-                    self.new_token_ratio.value)
+        logger.info(
+            "retracted %s (out=%d); new_token_ratio=%.2f",
+            victim.rid,
+            len(victim.output_ids),
+            self.new_token_ratio.value,
+        )
         return True
 
     def _cannot_hold(self, req: Req, when: str = "") -> str:
-        return (f"the KV cache ({self.slot_allocator.num_total} tokens) cannot hold this request "
-                f"({req.num_fill} tokens{' ' + when if when else ''})")
+        return (
+            f"the KV cache ({self.slot_allocator.num_total} tokens) cannot hold this request "
+            f"({req.num_fill} tokens{' ' + when if when else ''})"
+        )

@@ -77,6 +77,5 @@ def _policy_order(waiting: deque[Req], tree: RadixCache, args: ServerArgs, step:
     aged_ids = {id(r) for r in aged}
     fresh = [r for r in waiting if id(r) not in aged_ids]
     # sorted() is stable, so requests with equally long cached prefixes keep their arrival order.
-    fresh.sort(key=lambda r: -len(tree.match_prefix(r.fill_ids()[:-1], namespace=r.cache_salt,
-                                                    record_hit=False).slots))
+    fresh.sort(key=lambda r: -len(tree.match_prefix(r.fill_ids()[:-1], namespace=r.cache_salt, record_hit=False).slots))
     return aged + fresh

@@ -169,6 +169,7 @@ def _distribute(nodes: list, splits: list[np.ndarray], k: int, count: dict) -> i
 
 class GroupTables(NamedTuple):
     """decode_attention_grouped's int32 inputs for one batch of decodes (batch order as given)."""
+
     group_prefix_lens: np.ndarray  # [G]
     group_prefix_rows: np.ndarray  # [G] req_to_token row of the group's first member
     group_member_start: np.ndarray  # [G + 1]
@@ -191,9 +192,13 @@ def group_tables(groups: Sequence[PrefixGroup], req_pool_indices: Sequence[int])
         starts.append(starts[-1] + len(members))
     rows = [req_pool_indices[group.members[0]] for group in groups]
     return GroupTables(
-        np.asarray([group.prefix_len for group in groups], dtype=np.int32), np.asarray(rows, dtype=np.int32),
+        np.asarray([group.prefix_len for group in groups], dtype=np.int32),
+        np.asarray(rows, dtype=np.int32),
         np.asarray(starts, dtype=np.int32),
-        np.asarray([m for group in groups for m in group.members], dtype=np.int32), req_group, req_suffix_start)
+        np.asarray([m for group in groups for m in group.members], dtype=np.int32),
+        req_group,
+        req_suffix_start,
+    )
 
 
 class DecodeGrouper:
@@ -220,8 +225,9 @@ class DecodeGrouper:
             return self._groups
         self._key = key
         self.searches += 1
-        candidates = [i for i, req in enumerate(decodes)
-                      if req.last_node is not None and req.tree_len >= self.min_tokens]
+        candidates = [
+            i for i, req in enumerate(decodes) if req.last_node is not None and req.tree_len >= self.min_tokens
+        ]
         self._groups = []
         if len(candidates) < 2:
             return self._groups

@@ -8,12 +8,26 @@ import time
 
 import zmq
 
-from radixserve.config import ModelConfig, ServerArgs
+from radixserve.config import ServerArgs
+from radixserve.model_config import ModelConfig
 from radixserve.runtime.heartbeat import progress
 from radixserve.runtime.ipc import Channel, Endpoints
-from radixserve.protocol import (AbortRequest, BatchOutput, CacheStatsRequest, FlushCacheRequest, FlushCacheResult,
-                                 SchedulerLoad, ServerInfo, ServerInfoRequest, Shutdown, TokenizedRequest,
-                                 TokenizerToScheduler, WorkerReady, WorkerToScheduler, unpack_i32)
+from radixserve.protocol import (
+    AbortRequest,
+    BatchOutput,
+    CacheStatsRequest,
+    FlushCacheRequest,
+    FlushCacheResult,
+    SchedulerLoad,
+    ServerInfo,
+    ServerInfoRequest,
+    Shutdown,
+    TokenizedRequest,
+    TokenizerToScheduler,
+    WorkerReady,
+    WorkerToScheduler,
+    unpack_i32,
+)
 from radixserve.protocol import ListPinsRequest, PinPrefixRequest, PinsReply, UnpinPrefixRequest
 from radixserve.tokenizer_loading import load_tokenizer
 from scheduler_service.cache_control import CacheControl
@@ -36,19 +50,29 @@ class SchedulerProcess:
     def __init__(self, args: ServerArgs, model_dir: str, endpoints: Endpoints):
         self.args = args
         ctx = zmq.Context()
-        self.from_tokenizer = Channel(ctx, zmq.PULL, endpoints.tokenizer_to_scheduler, bind=True,
-                                      recv_type=TokenizerToScheduler)
+        self.from_tokenizer = Channel(
+            ctx, zmq.PULL, endpoints.tokenizer_to_scheduler, bind=True, recv_type=TokenizerToScheduler
+        )
         self.to_tokenizer = Channel(ctx, zmq.PUSH, endpoints.scheduler_to_tokenizer, bind=False)
-        self.to_workers = [Channel(ctx, zmq.PUSH, endpoints.scheduler_to_worker(r), bind=True)
-                           for r in range(args.tp_size)]
-        self.from_workers = Channel(ctx, zmq.PULL, endpoints.workers_to_scheduler, bind=True,
-                                    recv_type=WorkerToScheduler)
+        self.to_workers = [
+            Channel(ctx, zmq.PUSH, endpoints.scheduler_to_worker(r), bind=True) for r in range(args.tp_size)
+        ]
+        self.from_workers = Channel(
+            ctx, zmq.PULL, endpoints.workers_to_scheduler, bind=True, recv_type=WorkerToScheduler
+        )
         # Loaded while the workers load their weights, so it adds nothing to start-up.
         tokenizer = load_tokenizer(args.tokenizer or model_dir)
         ready = self._wait_for_workers()
         model_config = ModelConfig.from_dir(model_dir)
-        self.scheduler = Scheduler(args, ready.num_kv_slots, ready.context_len, model_config.eos_token_ids, tokenizer,
-                                   num_host_slots=ready.num_host_slots, num_layers=model_config.num_layers)
+        self.scheduler = Scheduler(
+            args,
+            ready.num_kv_slots,
+            ready.context_len,
+            model_config.eos_token_ids,
+            tokenizer,
+            num_host_slots=ready.num_host_slots,
+            num_layers=model_config.num_layers,
+        )
         # Overlapped unless --disable-overlap-schedule: step N+1 goes out before step N's tokens are applied.
         self.loop = make_step_loop(self.scheduler, WorkerProcessesExecutor(self.to_workers, self.from_workers))
         self.cache_control = CacheControl(self.scheduler, args.max_pinned_tokens)  # pinned prefixes
@@ -108,8 +132,9 @@ class SchedulerProcess:
         elif isinstance(message, FlushCacheRequest):
             ok = self.scheduler.flush_cache(keep_pins=message.keep_pins)
             self._report_cache_events()
-            self.to_tokenizer.send(FlushCacheResult(message.request_id, ok,
-                                                    "" if ok else "requests are running; flush when idle"))
+            self.to_tokenizer.send(
+                FlushCacheResult(message.request_id, ok, "" if ok else "requests are running; flush when idle")
+            )
         elif isinstance(message, (PinPrefixRequest, UnpinPrefixRequest, ListPinsRequest)):
             self._send_pin_replies([self.cache_control.handle(message)])
         elif isinstance(message, ServerInfoRequest):
@@ -125,18 +150,27 @@ class SchedulerProcess:
         except KVInvariantError:
             invariant_ok = False
         usage = s.kv_usage()
-        return {"num_running": s.num_running, "num_waiting": len(s.waiting), "kv_invariant_ok": invariant_ok,
-                **{f"kv_{k}": v for k, v in usage.items()}, "context_len": s.context_len,
-                # The most tokens one sequence can ever hold: the front ends refuse larger requests with a 400.
-                "kv_pool_tokens": s.max_sequence_tokens(),
-                "steps": s.stats.steps, "prefill_tokens_computed": s.stats.prefill_tokens_computed,
-                "cached_prompt_tokens": s.stats.cached_prompt_tokens, "retractions": s.stats.retractions,
-                "grouped_decodes": s.stats.grouped_decodes,
-                "shared_prefix_tokens_saved": s.stats.shared_prefix_tokens_saved,
-                "tp_size": self.args.tp_size, "chunked_prefill_size": min(s.chunked_prefill_size, 1 << 31),
-                "radix_cache": not self.args.disable_radix_cache, "schedule_policy": self.args.schedule_policy,
-                **cache_numbers(s),  # the cache metrics of /metrics (cache_stats.py)
-                **(s.long.info() if s.long is not None else {})}  # layer-wise offload (long_context.py)
+        return {
+            "num_running": s.num_running,
+            "num_waiting": len(s.waiting),
+            "kv_invariant_ok": invariant_ok,
+            **{f"kv_{k}": v for k, v in usage.items()},
+            "context_len": s.context_len,
+            # The most tokens one sequence can ever hold: the front ends refuse larger requests with a 400.
+            "kv_pool_tokens": s.max_sequence_tokens(),
+            "steps": s.stats.steps,
+            "prefill_tokens_computed": s.stats.prefill_tokens_computed,
+            "cached_prompt_tokens": s.stats.cached_prompt_tokens,
+            "retractions": s.stats.retractions,
+            "grouped_decodes": s.stats.grouped_decodes,
+            "shared_prefix_tokens_saved": s.stats.shared_prefix_tokens_saved,
+            "tp_size": self.args.tp_size,
+            "chunked_prefill_size": min(s.chunked_prefill_size, 1 << 31),
+            "radix_cache": not self.args.disable_radix_cache,
+            "schedule_policy": self.args.schedule_policy,
+            **cache_numbers(s),  # the cache metrics of /metrics (cache_stats.py)
+            **(s.long.info() if s.long is not None else {}),
+        }  # layer-wise offload (long_context.py)
 
     def _send_pin_replies(self, replies: list[PinsReply | None]) -> None:
         for reply in replies:
@@ -167,8 +201,9 @@ class SchedulerProcess:
             return
         s = self.scheduler
         usage = s.kv_usage()
-        load = SchedulerLoad(s.num_running, len(s.waiting), usage["protected"] + usage["owned"],
-                             usage["evictable"], usage["total"])
+        load = SchedulerLoad(
+            s.num_running, len(s.waiting), usage["protected"] + usage["owned"], usage["evictable"], usage["total"]
+        )
         self.to_tokenizer.send(BatchOutput(messages(outputs), load))
 
     def shutdown(self) -> None:

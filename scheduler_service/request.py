@@ -45,8 +45,9 @@ class Req:
         # Admission order under --enable-priority-scheduling: higher first, within the aging bound (policy.py).
         self.priority = 0
         # params.prompt_logprobs: per prompt position, its TokenLogprobs once computed (position 0 has none).
-        self.prompt_logprobs: list | None = [None] * len(self.prompt_ids) if params.prompt_logprobs is not None \
-            else None
+        self.prompt_logprobs: list | None = (
+            [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None
+        )
 
         self.cached_tokens: int | None = None  # prompt tokens served from the cache at first admission
         self.finish_reason: str | None = None
@@ -92,5 +93,7 @@ class Req:
         return self.kv_len - self.tree_len
 
     def __repr__(self) -> str:
-        return (f"Req({self.rid!r}, {self.status.value}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
-                f"kv={self.kv_len}, tree={self.tree_len})")
+        return (
+            f"Req({self.rid!r}, {self.status.value}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
+            f"kv={self.kv_len}, tree={self.tree_len})"
+        )

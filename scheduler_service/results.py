@@ -25,8 +25,15 @@ class ResultProcessor:
     """Applies each step's sampled tokens to its requests, ends those that finish, and keeps the computed prompt
     chunks in the tree."""
 
-    def __init__(self, context_len: int, eos_token_ids: set[int], tree: RadixCache, decode_batch: DecodeBatch,
-                 endings: Endings, outputs: list[StepOutput]):
+    def __init__(
+        self,
+        context_len: int,
+        eos_token_ids: set[int],
+        tree: RadixCache,
+        decode_batch: DecodeBatch,
+        endings: Endings,
+        outputs: list[StepOutput],
+    ):
         """decode_batch: the running decodes as arrays (their next inputs are this step's tokens); endings ends a
         finished request; outputs is the Scheduler's list of what requests got (appended to, never rebound)."""
         self.context_len = context_len
@@ -47,8 +54,12 @@ class ResultProcessor:
     def decodes_alone(self, scheduled: ScheduledBatch, sampled: SampledTokens) -> bool:
         """A batch of decodes alone (decode_batch.py) whose requests all still run and that asked for no logprobs:
         its tokens can go through apply_decode_tokens."""
-        return (scheduled.decodes is not None and not sampled.logprobs and not sampled.prompt_logprobs
-                and list(map(_status, scheduled.reqs)).count(ReqStatus.RUNNING) == len(scheduled.reqs))
+        return (
+            scheduled.decodes is not None
+            and not sampled.logprobs
+            and not sampled.prompt_logprobs
+            and list(map(_status, scheduled.reqs)).count(ReqStatus.RUNNING) == len(scheduled.reqs)
+        )
 
     def apply(self, scheduled: ScheduledBatch, sampled: SampledTokens, output_index: list[int] | None) -> None:
         """Any step's tokens, request by request. output_index (overlapped loop): where each sampled token goes in
@@ -60,7 +71,7 @@ class ResultProcessor:
             wanted = scheduled.reqs[found.index].prompt_logprobs
             if wanted is not None:
                 end = min(len(wanted), found.start + len(found.logprobs))
-                wanted[found.start:end] = found.logprobs[:max(0, end - found.start)]
+                wanted[found.start : end] = found.logprobs[: max(0, end - found.start)]
         sample_index = 0
         now = time.time()
         running = ReqStatus.RUNNING
@@ -97,8 +108,13 @@ class ResultProcessor:
             p = req.params
             # Most tokens end nothing: test that cheaply before the full rules of finish_reason.
             reason = None
-            if (num_outputs >= p.max_new_tokens or req.stop_matcher is not None or token in self.eos_token_ids
-                    or p.stop_token_ids or len(req.prompt_ids) + num_outputs >= self.context_len):
+            if (
+                num_outputs >= p.max_new_tokens
+                or req.stop_matcher is not None
+                or token in self.eos_token_ids
+                or p.stop_token_ids
+                or len(req.prompt_ids) + num_outputs >= self.context_len
+            ):
                 reason = self.finish_reason(req, token, num_outputs)
             if reason is not None:
                 self.endings.end(req, reason, num_outputs)
@@ -132,10 +148,18 @@ class ResultProcessor:
         self.outputs += [
             # RequestOutput's fields in order (positional: a third of the cost of keywords): rid, token_ids, logprobs,
             # finished, finish_reason, matched_stop, error, prompt_tokens, completion_tokens, cached_tokens, queue_time
-            StepOutput(req, [token], no_logprobs, False, n, RequestOutput(
-                rid, packed, no_logprobs, False, None, None, None, prompt_tokens, n, cached, None))
+            StepOutput(
+                req,
+                [token],
+                no_logprobs,
+                False,
+                n,
+                RequestOutput(rid, packed, no_logprobs, False, None, None, None, prompt_tokens, n, cached, None),
+            )
             for req, token, n, packed, rid, prompt_tokens, cached in zip(
-                reqs, token_list, counts, tokens.view("V4").tolist(), run.rids, run.prompt_tokens, run.cached_tokens)]
+                reqs, token_list, counts, tokens.view("V4").tolist(), run.rids, run.prompt_tokens, run.cached_tokens
+            )
+        ]
         for i in self.decode_batch.may_finish(decodes, tokens, num_outputs).tolist():
             reason = self.finish_reason(reqs[i], token_list[i], counts[i])
             if reason is not None:
@@ -175,13 +199,13 @@ class ResultProcessor:
         point the request at the tree's own slots (another request may have inserted the same tokens first)."""
         if self.tree.disable:
             return
-        fill = req.fill_ids()[:req.kv_len]
-        self.tree.insert(fill, req.slots[:req.kv_len], namespace=req.cache_salt, priority=req.priority)
+        fill = req.fill_ids()[: req.kv_len]
+        self.tree.insert(fill, req.slots[: req.kv_len], namespace=req.cache_salt, priority=req.priority)
         match = self.tree.match_prefix(fill, namespace=req.cache_salt, priority=req.priority, record_hit=False)
         self.tree.inc_lock_ref(match.last_node)  # the request's lock moves down to the node it now ends at
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = match.last_node
-        changed = np.flatnonzero(match.slots != req.slots[:req.kv_len])
+        changed = np.flatnonzero(match.slots != req.slots[: req.kv_len])
         if len(changed):
             lo, hi = int(changed[0]), int(changed[-1]) + 1
             req.slots[lo:hi] = match.slots[lo:hi]

@@ -56,8 +56,16 @@ class KVInvariantError(AssertionError):
 
 
 class Scheduler:
-    def __init__(self, args: ServerArgs, num_kv_slots: int, context_len: int, eos_token_ids: list[int],
-                 tokenizer=None, num_host_slots: int = 0, num_layers: int = 0):
+    def __init__(
+        self,
+        args: ServerArgs,
+        num_kv_slots: int,
+        context_len: int,
+        eos_token_ids: list[int],
+        tokenizer=None,
+        num_host_slots: int = 0,
+        num_layers: int = 0,
+    ):
         """tokenizer: a Hugging Face tokenizer, used only to match stop strings (requests with stop strings are
         refused without one). num_layers: the model's, for layer-wise offload's jobs."""
         self.args = args
@@ -65,12 +73,16 @@ class Scheduler:
         self.tokenizer = tokenizer
         self.slot_allocator = TokenSlotAllocator(num_kv_slots)
         self.row_allocator = ReqPoolAllocator(args.max_running_requests)
-        self.tree = RadixCache(self.slot_allocator, disable=args.disable_radix_cache,
-                               eviction_policy=args.radix_eviction_policy)
+        self.tree = RadixCache(
+            self.slot_allocator, disable=args.disable_radix_cache, eviction_policy=args.radix_eviction_policy
+        )
         # The host KV tier (--hicache-size; num_host_slots from the workers): evicted prefixes kept in host memory.
         # Layer-wise offload keeps its long requests' KV there even without a radix cache (nothing stays then).
-        self.host_tier = HostTier(self.tree, self.slot_allocator, num_host_slots, disable=args.disable_radix_cache) \
-            if num_host_slots and (not args.disable_radix_cache or args.enable_layerwise_offload) else None
+        self.host_tier = (
+            HostTier(self.tree, self.slot_allocator, num_host_slots, disable=args.disable_radix_cache)
+            if num_host_slots and (not args.disable_radix_cache or args.enable_layerwise_offload)
+            else None
+        )
         # -1 (no chunking) becomes a budget no step reaches; config.py resolves the device default.
         self.chunked_prefill_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else NO_CHUNKING
         self.waiting: deque[Req] = deque()
@@ -87,22 +99,56 @@ class Scheduler:
         self.new_token_ratio = NewTokenRatio(args)
         self.decode_batch = DecodeBatch(context_len, eos_token_ids, enabled=not args.disable_incremental_decode_batch)
         # Requests longer than the device pool (--enable-layerwise-offload): their own queue and steps.
-        self.long = LongContext(args, context_len, num_kv_slots, self.host_tier, self.row_allocator, self.stats,
-                                num_layers) if args.enable_layerwise_offload and self.host_tier else None
+        self.long = (
+            LongContext(args, context_len, num_kv_slots, self.host_tier, self.row_allocator, self.stats, num_layers)
+            if args.enable_layerwise_offload and self.host_tier
+            else None
+        )
 
-        self.endings = Endings(self.tree, self.slot_allocator, self.row_allocator, self.long, self.running,
-                               self.finishing, self.requests, self.outputs)
-        self.memory_pressure = MemoryPressure(args, self.chunked_prefill_size, self.tree, self.slot_allocator,
-                                              self.waiting, self.running, self.finishing, self.endings,
-                                              self.new_token_ratio, self.stats)
-        self.admission = Admission(args, context_len, self.tree, self.host_tier, self.slot_allocator,
-                                   self.row_allocator, self.waiting, self.running, self.memory_pressure,
-                                   self.new_token_ratio, self.stats)
-        grouper = None if args.disable_shared_prefix_attention or args.disable_radix_cache else \
-            DecodeGrouper(args.shared_prefix_min_tokens)
+        self.endings = Endings(
+            self.tree,
+            self.slot_allocator,
+            self.row_allocator,
+            self.long,
+            self.running,
+            self.finishing,
+            self.requests,
+            self.outputs,
+        )
+        self.memory_pressure = MemoryPressure(
+            args,
+            self.chunked_prefill_size,
+            self.tree,
+            self.slot_allocator,
+            self.waiting,
+            self.running,
+            self.finishing,
+            self.endings,
+            self.new_token_ratio,
+            self.stats,
+        )
+        self.admission = Admission(
+            args,
+            context_len,
+            self.tree,
+            self.host_tier,
+            self.slot_allocator,
+            self.row_allocator,
+            self.waiting,
+            self.running,
+            self.memory_pressure,
+            self.new_token_ratio,
+            self.stats,
+        )
+        grouper = (
+            None
+            if args.disable_shared_prefix_attention or args.disable_radix_cache
+            else DecodeGrouper(args.shared_prefix_min_tokens)
+        )
         self.batch_builder = BatchBuilder(self.slot_allocator, self.decode_batch, grouper, self.stats)
-        self.result_processor = ResultProcessor(context_len, set(eos_token_ids), self.tree, self.decode_batch,
-                                                self.endings, self.outputs)
+        self.result_processor = ResultProcessor(
+            context_len, set(eos_token_ids), self.tree, self.decode_batch, self.endings, self.outputs
+        )
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> ScheduledBatch | None:
@@ -130,8 +176,9 @@ class Scheduler:
             return None
         return self._with_host_copies(self.batch_builder.build(self.step_count, entries, reused))
 
-    def process_results(self, scheduled: ScheduledBatch, sampled: SampledTokens,
-                        output_index: list[int] | None = None) -> None:
+    def process_results(
+        self, scheduled: ScheduledBatch, sampled: SampledTokens, output_index: list[int] | None = None
+    ) -> None:
         """Apply one step's sampled tokens (what the executor returned for `scheduled`); what each request got is
         collected for take_outputs(). output_index (overlapped loop): where each token goes in its request's
         output_ids, over the placeholder put there at launch; without it (serial loop) each token is appended."""
@@ -163,9 +210,12 @@ class Scheduler:
     def _decodes_continue(self) -> bool:
         """The next step is the last batch of decodes one token on: the same requests running, none of them can
         need eviction or retraction, and no waiting request can start (no prefill either way)."""
-        return (bool(self.running) and self.decode_batch.continues(self.running)
-                and (not self.waiting or self.row_allocator.num_free == 0)
-                and self.slot_allocator.num_free >= len(self.running))
+        return (
+            bool(self.running)
+            and self.decode_batch.continues(self.running)
+            and (not self.waiting or self.row_allocator.num_free == 0)
+            and self.slot_allocator.num_free >= len(self.running)
+        )
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, req: Req) -> None:
@@ -176,9 +226,11 @@ class Scheduler:
             raise ValueError("the prompt is empty")
         total = len(req.prompt_ids) + req.params.max_new_tokens
         if total > self.context_len:
-            raise ValueError(f"This model's maximum context length is {self.context_len} tokens. However, you "
-                             f"requested {total} tokens ({len(req.prompt_ids)} in the prompt, "
-                             f"{req.params.max_new_tokens} for the completion).")
+            raise ValueError(
+                f"This model's maximum context length is {self.context_len} tokens. However, you "
+                f"requested {total} tokens ({len(req.prompt_ids)} in the prompt, "
+                f"{req.params.max_new_tokens} for the completion)."
+            )
         if self.long is not None and self.long.takes(req):
             self.long.check(req)
             req.offloaded = True
@@ -188,11 +240,13 @@ class Scheduler:
             room = self.slot_allocator.num_total - self.tree.pinned_size
             need = total - self.tree.pinned_prefix_len(req.prompt_ids, namespace=req.cache_salt)
             if need > room:
-                raise ValueError(f"The KV cache holds {self.slot_allocator.num_total} tokens, of which "
-                                 f"{self.tree.pinned_size} are pinned (POST /v1/cache/pin, --pin-prompts): this "
-                                 f"request needs {need} more ({len(req.prompt_ids)} in the prompt, "
-                                 f"{req.params.max_new_tokens} for the completion, less what it shares of the pinned "
-                                 f"prefixes), above the {room} left.")
+                raise ValueError(
+                    f"The KV cache holds {self.slot_allocator.num_total} tokens, of which "
+                    f"{self.tree.pinned_size} are pinned (POST /v1/cache/pin, --pin-prompts): this "
+                    f"request needs {need} more ({len(req.prompt_ids)} in the prompt, "
+                    f"{req.params.max_new_tokens} for the completion, less what it shares of the pinned "
+                    f"prefixes), above the {room} left."
+                )
         if any(req.params.stop):
             if self.tokenizer is None:
                 raise ValueError("stop strings need a tokenizer, and this scheduler was started without one")
@@ -216,8 +270,13 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.finishing or self.outputs
-                    or (self.long is not None and self.long.has_work()))
+        return bool(
+            self.waiting
+            or self.running
+            or self.finishing
+            or self.outputs
+            or (self.long is not None and self.long.has_work())
+        )
 
     @property
     def num_running(self) -> int:
@@ -260,20 +319,29 @@ class Scheduler:
         owned = sum(map(_kv_len, self.running)) - sum(map(_tree_len, self.running))  # Req.owned_slots, summed
         if self.finishing:
             owned += sum(r.owned_slots for r in self.finishing)
-        return {"total": self.slot_allocator.num_total, "free": self.slot_allocator.num_free,
-                "evictable": self.tree.evictable_size, "protected": self.tree.protected_size, "owned": owned}
+        return {
+            "total": self.slot_allocator.num_total,
+            "free": self.slot_allocator.num_free,
+            "evictable": self.tree.evictable_size,
+            "protected": self.tree.protected_size,
+            "owned": owned,
+        }
 
     def check_invariant(self, walk_tree: bool = False) -> None:
         """Slot and row accounting; walk_tree also audits every node of the radix tree (idle time and tests)."""
         u = self.kv_usage()
         if u["free"] + u["evictable"] + u["protected"] + u["owned"] != u["total"]:
-            raise KVInvariantError(f"KV slot leak: free {u['free']} + evictable {u['evictable']} + protected "
-                                   f"{u['protected']} + owned by requests {u['owned']} != total {u['total']}")
+            raise KVInvariantError(
+                f"KV slot leak: free {u['free']} + evictable {u['evictable']} + protected "
+                f"{u['protected']} + owned by requests {u['owned']} != total {u['total']}"
+            )
         if not self.num_running and self.tree.locked_size:  # (pinned tokens are protected too, and rightly so)
             raise KVInvariantError(f"{self.tree.locked_size} cached tokens still locked with no running request")
         if self.row_allocator.num_free + self.num_running != self.row_allocator.num_total:
-            raise KVInvariantError(f"req_to_token rows leaked: {self.row_allocator.num_free} free + "
-                                   f"{self.num_running} running != {self.row_allocator.num_total}")
+            raise KVInvariantError(
+                f"req_to_token rows leaked: {self.row_allocator.num_free} free + "
+                f"{self.num_running} running != {self.row_allocator.num_total}"
+            )
         if walk_tree:
             try:
                 self.tree.check_invariants()

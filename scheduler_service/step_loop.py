@@ -96,7 +96,7 @@ class OverlapStepLoop(SerialStepLoop):
         s = self.scheduler
         if scheduled.decodes is not None:  # decodes alone, as arrays: the same placeholders without a loop
             n = len(scheduled.reqs)
-            output_index = s.decode_batch.placeholders(scheduled.decodes, self.placeholder_at[base:base + n])
+            output_index = s.decode_batch.placeholders(scheduled.decodes, self.placeholder_at[base : base + n])
             if output_index is not None:
                 self.next_future = (base + n) % self.ring_size
                 last = np.flatnonzero(scheduled.decodes.num_outputs + 1 >= scheduled.decodes.run.limits)

@@ -17,6 +17,7 @@ class StepOutput(msgspec.Struct, gc=False):
     """What one step produced for one request. (A msgspec Struct for its speed alone: a step makes one per running
     request, and this constructs in half the time of a slotted dataclass, untracked by the garbage collector as it
     can hold no cycle. It never goes on a socket.)"""
+
     req: Req
     new_token_ids: list[int]
     new_logprobs: list = []
@@ -39,11 +40,18 @@ class StepOutput(msgspec.Struct, gc=False):
         token_bytes = _INT32.pack(token_ids[0]) if len(token_ids) == 1 else array("i", token_ids).tobytes()
         # Queue time and prompt logprobs ride on the output with the first token only.
         message = RequestOutput(
-            rid=req.rid, token_ids=token_bytes, logprobs=self.new_logprobs, finished=self.finished,
-            finish_reason=req.finish_reason if self.finished else None, matched_stop=req.matched_stop,
-            error=req.error, prompt_tokens=len(req.prompt_ids), completion_tokens=num_outputs,
+            rid=req.rid,
+            token_ids=token_bytes,
+            logprobs=self.new_logprobs,
+            finished=self.finished,
+            finish_reason=req.finish_reason if self.finished else None,
+            matched_stop=req.matched_stop,
+            error=req.error,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=num_outputs,
             cached_tokens=req.cached_tokens or 0,
-            queue_time=(req.admitted_time - req.arrival_time) if first and req.admitted_time else None)
+            queue_time=(req.admitted_time - req.arrival_time) if first and req.admitted_time else None,
+        )
         if first and req.prompt_logprobs and token_ids:
             message.prompt_logprobs = req.prompt_logprobs[1:]
         return message

@@ -35,7 +35,7 @@ class StopStringMatcher:
         request will get, takes the text as it is."""
         if not self.stop or not output_ids:
             return None
-        tail = output_ids[-self.window:]
+        tail = output_ids[-self.window :]
         text = self._decode(tail)
         settled = len(text) if final else self._settled_len(tail, text)
         before = self._settled_len(tail[:-1], self._decode(tail[:-1])) if len(tail) > 1 else 0
@@ -64,5 +64,6 @@ class StopStringMatcher:
 
     def _decode(self, ids: list[int]) -> str:
         # No clean-up of spaces: the front end's detokenizer decodes the same way, so both see the same text.
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(
+            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
+        )

@@ -146,12 +146,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     gpu, forbidden = _gpu_skips, _forbidden_skips
     terminalreporter.write_line(f"skipped GPU tests: {len(gpu)}")
     if forbidden:
-        terminalreporter.write_line(f"FAILED: {len(forbidden)} test(s) skipped without the gpu marker "
-                                    f"(only GPU tests may skip):", red=True, bold=True)
+        terminalreporter.write_line(
+            f"FAILED: {len(forbidden)} test(s) skipped without the gpu marker (only GPU tests may skip):",
+            red=True,
+            bold=True,
+        )
         for nodeid, reason in forbidden:
             terminalreporter.write_line(f"  {nodeid}: {reason}", red=True)
     if _unmarked_process_starts:
-        terminalreporter.write_line(f"FAILED: {len(_unmarked_process_starts)} test(s) started a process without the "
-                                    f"server marker (pytestmark = pytest.mark.server):", red=True, bold=True)
+        terminalreporter.write_line(
+            f"FAILED: {len(_unmarked_process_starts)} test(s) started a process without the "
+            f"server marker (pytestmark = pytest.mark.server):",
+            red=True,
+            bold=True,
+        )
         for nodeid, started in _unmarked_process_starts:
             terminalreporter.write_line(f"  {nodeid}: {started}", red=True)

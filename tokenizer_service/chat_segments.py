@@ -66,8 +66,11 @@ class SegmentEncoder:
         self.backend, self.cache = backend, cache
         # Only the tokens matched on the raw text cut it; `normalized: true` ones are matched inside each piece, the
         # same way whether the piece is encoded alone or in the whole text.
-        cuts = {t.content: backend.token_to_id(t.content) for t in backend.get_added_tokens_decoder().values()
-                if not t.normalized and t.content}
+        cuts = {
+            t.content: backend.token_to_id(t.content)
+            for t in backend.get_added_tokens_decoder().values()
+            if not t.normalized and t.content
+        }
         self._token_ids = cuts
         self._cut = re.compile(_trie_regex(sorted(cuts))) if cuts else None
 
@@ -79,7 +82,7 @@ class SegmentEncoder:
         start = 0
         for match in self._cut.finditer(text):
             if match.start() > start:
-                parts.append(text[start:match.start()])
+                parts.append(text[start : match.start()])
             parts.append(self._token_ids[match.group()])
             start = match.end()
         if start < len(text):

@@ -19,10 +19,18 @@ from tokenizer_service.request_errors import openai_error
 logger = logging.getLogger(__name__)
 
 # OpenAI's `type` for each status; the client libraries map the status itself to an exception class.
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
-               415: "invalid_request_error", 431: "invalid_request_error", 500: "internal_server_error",
-               503: "service_unavailable_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    431: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
 
 
 def error_type(status: int) -> str:
@@ -32,8 +40,14 @@ def error_type(status: int) -> str:
 class RequestError(Exception):
     """An error answered to the client as OpenAI error JSON."""
 
-    def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.headers = message, status, type, param, headers
 
@@ -50,6 +64,7 @@ def error_for_status(message: str, status: int, param: str | None = None) -> Req
 
 class JSONResponse(Response):
     """msgspec encoding: fast, and NaN/inf become null instead of invalid JSON."""
+
     media_type = "application/json"
 
     def render(self, content: Any) -> bytes:
@@ -63,9 +78,13 @@ def error_json(message: str, status: int) -> bytes:
 async def send_error(send, message: str, status: int, headers: list[tuple[bytes, bytes]] = ()) -> None:
     """An error answered from ASGI middleware, before (or instead of) the app."""
     body = error_json(message, status)
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 

@@ -69,8 +69,11 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
                     raise _HeadTooLarge
         except (httptools.HttpParserError, _HeadTooLarge) as e:
             if self._head_too_large:
-                self._send_error(431, f"Request header fields too large: the request line and headers may hold at "
-                                      f"most {self.max_head_bytes} bytes (--max-header-bytes)")
+                self._send_error(
+                    431,
+                    f"Request header fields too large: the request line and headers may hold at "
+                    f"most {self.max_head_bytes} bytes (--max-header-bytes)",
+                )
             else:
                 self._send_error(400, f"Invalid HTTP request: {e}")
         except httptools.HttpParserUpgrade:
@@ -88,8 +91,17 @@ class JsonErrorHttpToolsProtocol(HttpToolsProtocol):
         content = [STATUS_LINE[status]]
         for name, value in self.server_state.default_headers:
             content.extend([name, b": ", value, b"\r\n"])
-        content.extend([b"content-type: application/json\r\n", b"content-length: ", str(len(body)).encode(),
-                        b"\r\n", b"connection: close\r\n", b"\r\n", body])
+        content.extend(
+            [
+                b"content-type: application/json\r\n",
+                b"content-length: ",
+                str(len(body)).encode(),
+                b"\r\n",
+                b"connection: close\r\n",
+                b"\r\n",
+                body,
+            ]
+        )
         self.transport.write(b"".join(content))
         self.transport.close()
 

@@ -48,27 +48,40 @@ class ServerMetrics:
 
         # Observed per token, so fed once per scheduler batch (request_manager._on_batch).
         self.time_to_first_token = BatchHistogram(
-            PREFIX + "time_to_first_token_seconds", "From request receipt to the first generated token.",
-            TTFT_BUCKETS, model_name)
+            PREFIX + "time_to_first_token_seconds",
+            "From request receipt to the first generated token.",
+            TTFT_BUCKETS,
+            model_name,
+        )
         self.inter_token_latency = BatchHistogram(
-            PREFIX + "inter_token_latency_seconds", "Between consecutive generated tokens of one sequence.",
-            ITL_BUCKETS, model_name)
+            PREFIX + "inter_token_latency_seconds",
+            "Between consecutive generated tokens of one sequence.",
+            ITL_BUCKETS,
+            model_name,
+        )
         r.register(self.time_to_first_token)
         r.register(self.inter_token_latency)
         self.e2e_latency = histogram(
-            "e2e_request_latency_seconds", "From request receipt to the last token of a sequence.", E2E_BUCKETS)
+            "e2e_request_latency_seconds", "From request receipt to the last token of a sequence.", E2E_BUCKETS
+        )
         self.queue_time = histogram(
-            "queue_time_seconds", "Time a sequence waited in the scheduler before admission.", QUEUE_BUCKETS)
+            "queue_time_seconds", "Time a sequence waited in the scheduler before admission.", QUEUE_BUCKETS
+        )
 
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of admitted sequences.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens delivered to clients.")
         self.cached_tokens = counter("cached_tokens", "Prompt tokens served from the radix cache.")
-        self._finished = Counter(PREFIX + "requests_finished", "Finished sequences by finish reason.",
-                                 ["model_name", "finish_reason"], registry=r)
+        self._finished = Counter(
+            PREFIX + "requests_finished",
+            "Finished sequences by finish reason.",
+            ["model_name", "finish_reason"],
+            registry=r,
+        )
         self._model_name = model_name
 
-        self.num_requests_in_flight = gauge("num_requests_in_flight",
-                                            "Sequences submitted by the HTTP front end and not finished.")
+        self.num_requests_in_flight = gauge(
+            "num_requests_in_flight", "Sequences submitted by the HTTP front end and not finished."
+        )
         self.num_running = gauge("num_running_reqs", "Sequences holding KV in the scheduler (decoding or prefilling).")
         self.num_waiting = gauge("num_waiting_reqs", "Sequences queued in the scheduler.")
         self.kv_slots_used = gauge("kv_slots_used", "KV slots owned by running sequences or locked in the cache.")
@@ -78,12 +91,18 @@ class ServerMetrics:
 
         # --dp-size > 1: the same per replica (label dp_rank), from /server_info's dp<i>_ numbers.
         replica_labels = ["model_name", "dp_rank"]
-        self._replica_running = Gauge(PREFIX + "replica_num_running_reqs", "Sequences holding KV in one replica.",
-                                      replica_labels, registry=r)
-        self._replica_waiting = Gauge(PREFIX + "replica_num_waiting_reqs", "Sequences queued in one replica.",
-                                      replica_labels, registry=r)
-        self._replica_cached = Gauge(PREFIX + "replica_cached_prompt_tokens", "Prompt tokens one replica served "
-                                     "from its radix cache so far.", replica_labels, registry=r)
+        self._replica_running = Gauge(
+            PREFIX + "replica_num_running_reqs", "Sequences holding KV in one replica.", replica_labels, registry=r
+        )
+        self._replica_waiting = Gauge(
+            PREFIX + "replica_num_waiting_reqs", "Sequences queued in one replica.", replica_labels, registry=r
+        )
+        self._replica_cached = Gauge(
+            PREFIX + "replica_cached_prompt_tokens",
+            "Prompt tokens one replica served from its radix cache so far.",
+            replica_labels,
+            registry=r,
+        )
         self.cache = CacheMetrics(model_name)
         r.register(self.cache)
 
@@ -121,17 +140,29 @@ class ServerMetrics:
 
 # (metric name, kind, the scheduler's number, help); counters get "_total" appended by prometheus-client.
 CACHE_METRICS = (
-    ("cache_hit_rate", "gauge", "cache_hit_rate",
-     "Share of the prompt tokens the scheduler needed that it found in the radix cache, since start (0..1)."),
+    (
+        "cache_hit_rate",
+        "gauge",
+        "cache_hit_rate",
+        "Share of the prompt tokens the scheduler needed that it found in the radix cache, since start (0..1).",
+    ),
     ("cache_prompt_tokens_cached", "counter", "prompt_tokens_cached", "Prompt tokens served from the radix cache."),
-    ("cache_prompt_tokens_computed", "counter", "prompt_tokens_computed",
-     "Prompt tokens computed by prefill (recomputation after a retraction included)."),
+    (
+        "cache_prompt_tokens_computed",
+        "counter",
+        "prompt_tokens_computed",
+        "Prompt tokens computed by prefill (recomputation after a retraction included).",
+    ),
     ("cache_pinned_tokens", "gauge", "kv_pinned", "KV slots held by pinned prefixes and not locked by a request."),
     ("cache_pins", "gauge", "num_pins", "Pinned prefixes (POST /v1/cache/pin, --pin-prompts)."),
     ("kv_slots_pinned", "gauge", "kv_pinned", "KV slots held by pinned prefixes (same as cache_pinned_tokens)."),
     ("hicache_hits", "counter", "hicache_hits", "Prefix hits served by a copy from the host-memory tier."),
-    ("hicache_loaded_tokens", "counter", "hicache_loaded_tokens", "Tokens of KV copied from host memory back to "
-                                                                  "the KV pool."),
+    (
+        "hicache_loaded_tokens",
+        "counter",
+        "hicache_loaded_tokens",
+        "Tokens of KV copied from host memory back to the KV pool.",
+    ),
     ("hicache_saved_tokens", "counter", "hicache_saved_tokens", "Tokens of evicted KV copied to host memory."),
     ("hicache_tokens", "gauge", "hicache_tokens", "Tokens of KV held in host memory (--hicache-size)."),
     ("hicache_capacity_tokens", "gauge", "hicache_capacity_tokens", "Tokens of KV the host-memory tier can hold."),
@@ -183,13 +214,17 @@ class CacheMetrics:
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                PREFIX + name, doc, labels=["model_name"])
+                PREFIX + name, doc, labels=["model_name"]
+            )
             family.add_metric([self.model_name], value)
             yield family
         if isinstance(numbers.get("evicted_tokens"), int):
             # Labelled by the policy in force (--radix-eviction-policy), so runs under different policies compare.
-            evicted = CounterMetricFamily(PREFIX + "cache_evicted_tokens", "Cached tokens evicted from the KV pool, "
-                                          "by eviction policy.", labels=["model_name", "policy"])
+            evicted = CounterMetricFamily(
+                PREFIX + "cache_evicted_tokens",
+                "Cached tokens evicted from the KV pool, by eviction policy.",
+                labels=["model_name", "policy"],
+            )
             evicted.add_metric([self.model_name, str(numbers.get("eviction_policy", "lru"))], numbers["evicted_tokens"])
             yield evicted
 
@@ -203,11 +238,13 @@ class SegmentCacheMetrics:
     def collect(self):
         cache = self.cache
         for name, kind, value, doc in (
-                ("chat_segment_cache_hits", "counter", cache.hits, "Chat prompt pieces whose ids were cached."),
-                ("chat_segment_cache_misses", "counter", cache.misses, "Chat prompt pieces encoded (not cached)."),
-                ("chat_segment_cache_evictions", "counter", cache.evictions, "Pieces dropped to stay in budget."),
-                ("chat_segment_cache_bytes", "gauge", cache.bytes, "Estimated bytes the cached pieces hold.")):
+            ("chat_segment_cache_hits", "counter", cache.hits, "Chat prompt pieces whose ids were cached."),
+            ("chat_segment_cache_misses", "counter", cache.misses, "Chat prompt pieces encoded (not cached)."),
+            ("chat_segment_cache_evictions", "counter", cache.evictions, "Pieces dropped to stay in budget."),
+            ("chat_segment_cache_bytes", "gauge", cache.bytes, "Estimated bytes the cached pieces hold."),
+        ):
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                PREFIX + name, doc, labels=["model_name"])
+                PREFIX + name, doc, labels=["model_name"]
+            )
             family.add_metric([self.model_name], value)
             yield family

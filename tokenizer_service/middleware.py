@@ -42,7 +42,7 @@ def host_name(host_header: str) -> str:
     """'[::1]:30000' -> '::1', 'Example.com:80' -> 'example.com'."""
     host = host_header.strip().lower()
     if host.startswith("["):
-        return host[1:host.find("]")] if "]" in host else host
+        return host[1 : host.find("]")] if "]" in host else host
     return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
 
 
@@ -56,9 +56,13 @@ class HostCheckMiddleware:
         if scope["type"] == "http" and "*" not in self.allowed:
             raw = _header(scope, b"host")
             if raw is not None and host_name(raw.decode("latin-1")) not in self.allowed:
-                await send_error(send, f"Host {raw.decode('latin-1')!r} is not served here: without --api-key only "
-                                       f"the bound address and localhost are accepted (add names with "
-                                       f"--allowed-hosts)", 403)
+                await send_error(
+                    send,
+                    f"Host {raw.decode('latin-1')!r} is not served here: without --api-key only "
+                    f"the bound address and localhost are accepted (add names with "
+                    f"--allowed-hosts)",
+                    403,
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -74,8 +78,12 @@ class ApiKeyMiddleware:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
             given = _header(scope, b"authorization") or b""
             if not hmac.compare_digest(given, self.expected):
-                await send_error(send, "Invalid or missing API key: send 'Authorization: Bearer <key>'", 401,
-                                 [(b"www-authenticate", b"Bearer")])
+                await send_error(
+                    send,
+                    "Invalid or missing API key: send 'Authorization: Bearer <key>'",
+                    401,
+                    [(b"www-authenticate", b"Bearer")],
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -93,10 +101,16 @@ class JsonPostMiddleware:
             await self.app(scope, receive, send)
             return
         origin = _header(scope, b"origin")
-        if origin is not None and "*" not in self.allowed_origins and \
-                origin.decode("latin-1") not in self.allowed_origins:
-            await send_error(send, f"Origin {origin.decode('latin-1')!r} may not call this API (allow it with "
-                                   f"--allowed-origins)", 403)
+        if (
+            origin is not None
+            and "*" not in self.allowed_origins
+            and origin.decode("latin-1") not in self.allowed_origins
+        ):
+            await send_error(
+                send,
+                f"Origin {origin.decode('latin-1')!r} may not call this API (allow it with --allowed-origins)",
+                403,
+            )
             return
         content_type = _header(scope, b"content-type")
         length = _header(scope, b"content-length")
@@ -105,8 +119,9 @@ class JsonPostMiddleware:
             media_type = (content_type or b"").split(b";", 1)[0].strip().lower()
             if media_type != b"application/json":
                 shown = content_type.decode("latin-1") if content_type is not None else "none"
-                await send_error(send, f"Request body must be JSON: send 'Content-Type: application/json' "
-                                       f"(got {shown})", 415)
+                await send_error(
+                    send, f"Request body must be JSON: send 'Content-Type: application/json' (got {shown})", 415
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -154,8 +169,12 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send, size: str) -> None:
-        await send_error(send, f"Request body too large: {size}; the limit is {self.max_bytes} bytes "
-                               f"(--max-request-bytes)", 413, [(b"connection", b"close")])
+        await send_error(
+            send,
+            f"Request body too large: {size}; the limit is {self.max_bytes} bytes (--max-request-bytes)",
+            413,
+            [(b"connection", b"close")],
+        )
 
 
 class JsonCORSMiddleware(CORSMiddleware):
@@ -165,8 +184,10 @@ class JsonCORSMiddleware(CORSMiddleware):
         response = super().preflight_response(request_headers)
         if response.status_code < 400:
             return response
-        error = error_for_status(f"{response.body.decode()}: this origin, method or header is not allowed "
-                                 f"(--allowed-origins)", response.status_code)
+        error = error_for_status(
+            f"{response.body.decode()}: this origin, method or header is not allowed (--allowed-origins)",
+            response.status_code,
+        )
         cors_headers = {k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")}
         return JSONResponse(error.response_body(), status_code=error.status, headers=cors_headers)
 
@@ -180,8 +201,13 @@ def add_middleware(app: FastAPI, args: ServerArgs) -> None:
     if args.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=args.api_key)
     if origins:
-        app.add_middleware(JsonCORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"], max_age=600)
+        app.add_middleware(
+            JsonCORSMiddleware,
+            allow_origins=origins,
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"],
+            max_age=600,
+        )
     if not args.api_key:
         hosts = {args.host.strip("[]").lower(), *LOOPBACK_HOSTS, *(h.lower() for h in _split_list(args.allowed_hosts))}
         app.add_middleware(HostCheckMiddleware, allowed=hosts)

@@ -11,9 +11,16 @@ from typing import Any
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from tokenizer_service.request_fields import _check_cache_salt
-from tokenizer_service.request_fields import (DEFAULT_NATIVE_MAX_NEW_TOKENS, _check_logprobs_count, _check_max_tokens,
-                                              _check_min_tokens, _check_priority, _check_prompt, _SamplingFields,
-                                              _StrictModel)
+from tokenizer_service.request_fields import (
+    DEFAULT_NATIVE_MAX_NEW_TOKENS,
+    _check_logprobs_count,
+    _check_max_tokens,
+    _check_min_tokens,
+    _check_priority,
+    _check_prompt,
+    _SamplingFields,
+    _StrictModel,
+)
 from tokenizer_service.structured_fields import NativeStructuredFields
 
 
@@ -61,6 +68,7 @@ class GenerateRequest(_StrictModel):
     @classmethod
     def _priority(cls, value: int) -> int:
         return _check_priority("priority", value)
+
     cache_salt: str | None = None  # tenant isolation in the prefix cache, as on the OpenAI routes
 
     @field_validator("cache_salt", mode="before")

@@ -14,7 +14,8 @@ from typing import Callable, NamedTuple
 import numpy as np
 
 from radixserve.protocol import TokenLogprobs
-from tokenizer_service.request_manager import SequenceResult, Usage
+from radixserve.request_pipeline import SequenceResult
+from tokenizer_service.request_group import Usage
 
 MIN_LOGPROB = -9999.0
 
@@ -47,6 +48,7 @@ def usage_json(usage: Usage) -> dict:
 class Echo(NamedTuple):
     """/v1/completions with echo: what goes before a choice's completion. logprobs: one per prompt token when the
     request asked for logprobs, None for the first (nothing predicts it), as OpenAI and vLLM send it."""
+
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
@@ -54,12 +56,13 @@ class Echo(NamedTuple):
 
 def echo_of(prompt_text: str, prompt_ids: list[int], prompt_logprobs: list[TokenLogprobs | None]) -> Echo:
     """prompt_logprobs: those of positions 1.. (radixserve.request_pipeline.RequestPipeline.prompt_logprobs)."""
-    entries = [None, *prompt_logprobs][:len(prompt_ids)]
+    entries = [None, *prompt_logprobs][: len(prompt_ids)]
     return Echo(prompt_text, list(prompt_ids), entries + [None] * (len(prompt_ids) - len(entries)))
 
 
-def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | None], token_text: TokenText,
-                        text_offset: int = 0) -> dict:
+def completion_logprobs(
+    token_ids: list[int], logprobs: list[TokenLogprobs | None], token_text: TokenText, text_offset: int = 0
+) -> dict:
     """The legacy completions `logprobs` object. text_offset: where these tokens start in the completion text
     (non-zero for a stream chunk after the first). top_logprobs holds the top k plus the sampled token, as
     OpenAI and vLLM do. An entry None (an echoed prompt's first token) is null in both lists."""
@@ -81,38 +84,74 @@ def completion_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs | Non
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
-def echoed_logprobs(echo: Echo | None, token_ids: list[int], logprobs: list[TokenLogprobs], token_text: TokenText,
-                    text_offset: int = 0) -> dict:
+def echoed_logprobs(
+    echo: Echo | None, token_ids: list[int], logprobs: list[TokenLogprobs], token_text: TokenText, text_offset: int = 0
+) -> dict:
     """completion_logprobs of the completion's tokens, after the echoed prompt's when there is one."""
     if echo is None:
         return completion_logprobs(token_ids, logprobs, token_text, text_offset)
     return completion_logprobs(echo.token_ids + token_ids, echo.logprobs + list(logprobs), token_text, text_offset)
 
 
-def completion_response(request_id: str, created: int, model: str, results: list[SequenceResult], usage: Usage,
-                        token_text: TokenText, want_logprobs: bool, echoes: dict[int, Echo] | None = None) -> dict:
+def completion_response(
+    request_id: str,
+    created: int,
+    model: str,
+    results: list[SequenceResult],
+    usage: Usage,
+    token_text: TokenText,
+    want_logprobs: bool,
+    echoes: dict[int, Echo] | None = None,
+) -> dict:
     """echoes: by choice index, the prompt that goes before each completion (echo)."""
     choices = []
     for r in results:
         echo = (echoes or {}).get(r.index)
-        choices.append({
-            "index": r.index,
-            "text": r.text if echo is None else echo.text + r.text,
-            "logprobs": echoed_logprobs(echo, r.token_ids, r.logprobs, token_text) if want_logprobs else None,
-            "finish_reason": r.finish_reason,
-            "stop_reason": r.matched_stop,  # vLLM's extension: the stop string or token id that matched
-        })
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage_json(usage)}
+        choices.append(
+            {
+                "index": r.index,
+                "text": r.text if echo is None else echo.text + r.text,
+                "logprobs": echoed_logprobs(echo, r.token_ids, r.logprobs, token_text) if want_logprobs else None,
+                "finish_reason": r.finish_reason,
+                "stop_reason": r.matched_stop,  # vLLM's extension: the stop string or token id that matched
+            }
+        )
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_json(usage),
+    }
 
 
-def completion_chunk(request_id: str, created: int, model: str, index: int, text: str,
-                     finish_reason: str | None, logprobs: dict | None, with_usage_field: bool,
-                     stop_reason: int | str | None = None, usage: dict | None = None) -> dict:
+def completion_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    index: int,
+    text: str,
+    finish_reason: str | None,
+    logprobs: dict | None,
+    with_usage_field: bool,
+    stop_reason: int | str | None = None,
+    usage: dict | None = None,
+) -> dict:
     chunk = {
-        "id": request_id, "object": "text_completion", "created": created, "model": model,
-        "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
-                     "stop_reason": stop_reason}],
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        ],
     }
     if with_usage_field:
         chunk["usage"] = usage  # OpenAI: null on every chunk but the final usage chunk (unless continuous_usage_stats)
@@ -120,8 +159,14 @@ def completion_chunk(request_id: str, created: int, model: str, index: int, text
 
 
 def completion_usage_chunk(request_id: str, created: int, model: str, usage: Usage) -> dict:
-    return {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [],
-            "usage": usage_json(usage)}
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_json(usage),
+    }
 
 
 # ------------------------------------------------------------------------------------------------- chat
@@ -140,35 +185,74 @@ def chat_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs], token_tex
     return {"content": content}
 
 
-def chat_response(request_id: str, created: int, model: str, results: list[SequenceResult], usage: Usage,
-                  token_text: TokenText, want_logprobs: bool, tools=None, echo: str = "") -> dict:
+def chat_response(
+    request_id: str,
+    created: int,
+    model: str,
+    results: list[SequenceResult],
+    usage: Usage,
+    token_text: TokenText,
+    want_logprobs: bool,
+    tools=None,
+    echo: str = "",
+) -> dict:
     """tools: the request's structured_outputs.ChatTools, which splits a reply into content and tool_calls. echo:
     the pre-filled start of the reply (a chat's echo), before every choice's content; logprobs stay the generated
     tokens' only."""
     choices = []
     for r in results:
-        message, finish_reason = ({"role": "assistant", "content": r.text}, r.finish_reason) if tools is None \
+        message, finish_reason = (
+            ({"role": "assistant", "content": r.text}, r.finish_reason)
+            if tools is None
             else tools.message(r.text, r.finish_reason)
+        )
         if echo:
             message["content"] = echo + (message.get("content") or "")
-        choices.append({
-            "index": r.index,
-            "message": message,
-            "logprobs": chat_logprobs(r.token_ids, r.logprobs, token_text) if want_logprobs else None,
-            "finish_reason": finish_reason,
-            "stop_reason": r.matched_stop,
-        })
-    return {"id": request_id, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage_json(usage)}
+        choices.append(
+            {
+                "index": r.index,
+                "message": message,
+                "logprobs": chat_logprobs(r.token_ids, r.logprobs, token_text) if want_logprobs else None,
+                "finish_reason": finish_reason,
+                "stop_reason": r.matched_stop,
+            }
+        )
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage_json(usage),
+    }
 
 
-def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dict, finish_reason: str | None,
-               logprobs: dict | None, with_usage_field: bool, stop_reason: int | str | None = None,
-               usage: dict | None = None) -> dict:
+def chat_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    index: int,
+    delta: dict,
+    finish_reason: str | None,
+    logprobs: dict | None,
+    with_usage_field: bool,
+    stop_reason: int | str | None = None,
+    usage: dict | None = None,
+) -> dict:
     chunk = {
-        "id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-        "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
-                     "stop_reason": stop_reason}],
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": index,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish_reason,
+                "stop_reason": stop_reason,
+            }
+        ],
     }
     if with_usage_field:
         chunk["usage"] = usage
@@ -176,8 +260,14 @@ def chat_chunk(request_id: str, created: int, model: str, index: int, delta: dic
 
 
 def chat_usage_chunk(request_id: str, created: int, model: str, usage: Usage) -> dict:
-    return {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [],
-            "usage": usage_json(usage)}
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage_json(usage),
+    }
 
 
 # ------------------------------------------------------------------------------------------- native
@@ -203,9 +293,18 @@ def native_logprobs(token_ids: list[int], logprobs: list[TokenLogprobs]) -> dict
     }
 
 
-def native_result(request_id: str, index: int, text: str, token_ids: list[int], finish_reason: str | None,
-                  matched_stop: int | str | None, prompt_tokens: int, cached_tokens: int,
-                  logprobs: list[TokenLogprobs] | None, e2e_latency: float | None) -> dict:
+def native_result(
+    request_id: str,
+    index: int,
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+    matched_stop: int | str | None,
+    prompt_tokens: int,
+    cached_tokens: int,
+    logprobs: list[TokenLogprobs] | None,
+    e2e_latency: float | None,
+) -> dict:
     meta = {
         "id": f"{request_id}-{index}",
         "prompt_tokens": prompt_tokens,

@@ -17,15 +17,38 @@ from typing import Any, Literal
 from pydantic import field_validator, model_validator
 
 from tokenizer_service.native_schema import GenerateRequest, NativeSamplingParams  # noqa: F401  (re-exported)
-from tokenizer_service.request_errors import (openai_error, openai_error_from_validation,  # noqa: F401  (re-exported)
-                                              validation_error_message, validation_error_param)
-from tokenizer_service.request_fields import (CHAT_TEMPLATE_KWARGS, DEFAULT_COMPLETION_MAX_TOKENS,  # noqa: F401
-                                              DEFAULT_NATIVE_MAX_NEW_TOKENS, INT32_MAX, INT64_MAX, INT64_MIN,
-                                              MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS, StreamOptions, _check_cache_salt,
-                                              _check_logprobs_count, _check_max_tokens, _check_min_tokens,
-                                              _check_priority, _check_prompt, _SamplingFields, _StrictModel)
-from tokenizer_service.structured_fields import (AssistantToolCall, ChatStructuredFields, StructuredOutputFields,
-                                                 sampling_fields)
+from tokenizer_service.request_errors import (  # noqa: F401  (re-exported)
+    openai_error,
+    openai_error_from_validation,
+    validation_error_message,
+    validation_error_param,
+)
+from tokenizer_service.request_fields import (  # noqa: F401
+    CHAT_TEMPLATE_KWARGS,
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    DEFAULT_NATIVE_MAX_NEW_TOKENS,
+    INT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    StreamOptions,
+    _check_cache_salt,
+    _check_logprobs_count,
+    _check_max_tokens,
+    _check_min_tokens,
+    _check_priority,
+    _check_prompt,
+    _SamplingFields,
+    _StrictModel,
+)
+from tokenizer_service.structured_fields import (
+    AssistantToolCall,
+    ChatStructuredFields,
+    StructuredOutputFields,
+    sampling_fields,
+)
 
 # Split by concern: error bodies and messages (request_errors.py), shared limits, field checks and sampling fields
 # (request_fields.py), the native /generate models (native_schema.py). Their public names stay importable from here.
@@ -116,8 +139,12 @@ class ChatMessage(_StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _tool_calls_may_leave_out_content(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "content" not in data and data.get("role") == "assistant" \
-                and data.get("tool_calls"):
+        if (
+            isinstance(data, dict)
+            and "content" not in data
+            and data.get("role") == "assistant"
+            and data.get("tool_calls")
+        ):
             return {**data, "content": None}
         return data
 
@@ -180,8 +207,10 @@ class ChatCompletionRequest(_OpenAIRequest, ChatStructuredFields):
             raise ValueError("chat_template_kwargs must be an object")
         for key, flag in value.items():
             if key not in CHAT_TEMPLATE_KWARGS:
-                raise ValueError(f"chat_template_kwargs key {key!r} is not accepted; the chat template is the "
-                                 f"server's own and only {', '.join(sorted(CHAT_TEMPLATE_KWARGS))} may be set")
+                raise ValueError(
+                    f"chat_template_kwargs key {key!r} is not accepted; the chat template is the "
+                    f"server's own and only {', '.join(sorted(CHAT_TEMPLATE_KWARGS))} may be set"
+                )
             if not isinstance(flag, bool):
                 raise ValueError(f"chat_template_kwargs.{key} must be a boolean, got {flag!r}")
         return value
@@ -236,7 +265,6 @@ class ChatCompletionRequest(_OpenAIRequest, ChatStructuredFields):
                 item["tool_call_id"] = message.tool_call_id
             out.append(item)
         return out
-
 
 
 # ------------------------------------------------------------------------ to plain fields

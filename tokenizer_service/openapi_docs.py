@@ -87,6 +87,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ResponseObject(BaseModel):
     """/v1/responses (routes_responses.py); output items and usage as responses_output.py writes them."""
+
     id: str
     object: Literal["response"]
     created_at: int
@@ -157,10 +158,21 @@ class Health(BaseModel):
 # ------------------------------------------------------------------------------------------ per route
 
 # Before OpenAPI 3.2, the schema of an event stream describes one event: a chunk as JSON in `data`, or [DONE].
-EVENT_STREAM = {"text/event-stream": {"schema": {
-    "type": "object", "required": ["data"],
-    "properties": {"data": {"type": "string", "description": "One chunk as JSON; the last event is [DONE]. An error "
-                                                             "after the stream began is an {\"error\": ...} chunk."}}}}}
+EVENT_STREAM = {
+    "text/event-stream": {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "type": "string",
+                    "description": "One chunk as JSON; the last event is [DONE]. An error "
+                    'after the stream began is an {"error": ...} chunk.',
+                }
+            },
+        }
+    }
+}
 
 
 def _json(model: type[BaseModel] | dict) -> dict:
@@ -177,43 +189,72 @@ def _ok(model, description: str, stream: bool = False) -> dict:
 
 OPENAI_RESPONSES = {
     "completion": {200: _ok(CompletionResponse, "The completion, or its chunks when stream is true", stream=True)},
-    "chat": {200: _ok(ChatCompletionResponse, "The chat completion, or its chunks when stream is true",
-                      stream=True)},
+    "chat": {200: _ok(ChatCompletionResponse, "The chat completion, or its chunks when stream is true", stream=True)},
     "models": {200: _ok(ModelList, "The served model")},
-    "responses": {200: _ok(ResponseObject, "The response, or its events when stream is true", stream=True),
-                  404: {"description": "Unknown model, or previous_response_id not stored here",
-                        "content": _json(ErrorResponse)}},
+    "responses": {
+        200: _ok(ResponseObject, "The response, or its events when stream is true", stream=True),
+        404: {"description": "Unknown model, or previous_response_id not stored here", "content": _json(ErrorResponse)},
+    },
     "response": {200: _ok(ResponseObject, "The stored response")},
     "response_deleted": {200: _ok(DeletedResponse, "The stored response was deleted")},
     "model": {200: _ok(ModelCard, "The served model, if that is its name")},
 }
 
 NATIVE_RESPONSES = {
-    "generate": {200: _ok({"anyOf": [{"$ref": REF.format(model="GenerateResult")},
-                                     {"type": "array", "items": {"$ref": REF.format(model="GenerateResult")}}]},
-                          "One result, or a list for a batch of prompts or n > 1; chunks when stream is true",
-                          stream=True)},
+    "generate": {
+        200: _ok(
+            {
+                "anyOf": [
+                    {"$ref": REF.format(model="GenerateResult")},
+                    {"type": "array", "items": {"$ref": REF.format(model="GenerateResult")}},
+                ]
+            },
+            "One result, or a list for a batch of prompts or n > 1; chunks when stream is true",
+            stream=True,
+        )
+    },
     "flush_cache": {200: _ok(FlushCacheResponse, "The radix cache was emptied")},
     "server_info": {200: _ok(ServerInfo, "Scheduler state (KV slot accounting) and the server's arguments")},
     "health": {200: _ok(Health, "The scheduler and workers answer")},
-    "metrics": {200: {"description": "Prometheus text format",
-                      "content": {"text/plain": {"schema": {"type": "string"}}}}},
+    "metrics": {
+        200: {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+    },
 }
 
-ERROR_STATUSES = {400: "Invalid request", 401: "Missing or wrong API key", 403: "Host or Origin not allowed",
-                  404: "Unknown route or model", 405: "Wrong method", 413: "Body over --max-request-bytes",
-                  415: "Body not application/json", 431: "Headers over --max-header-bytes",
-                  500: "Internal error", 503: "Overloaded (with Retry-After) or the engine is not responding"}
+ERROR_STATUSES = {
+    400: "Invalid request",
+    401: "Missing or wrong API key",
+    403: "Host or Origin not allowed",
+    404: "Unknown route or model",
+    405: "Wrong method",
+    413: "Body over --max-request-bytes",
+    415: "Body not application/json",
+    431: "Headers over --max-header-bytes",
+    500: "Internal error",
+    503: "Overloaded (with Retry-After) or the engine is not responding",
+}
 
 REQUEST_MODELS: list[type[BaseModel]] = []
-RESPONSE_MODELS = [ErrorResponse, CompletionResponse, ChatCompletionResponse, ResponseObject, DeletedResponse,
-                   ModelList, ModelCard, GenerateResult, FlushCacheResponse, ServerInfo, Health]
+RESPONSE_MODELS = [
+    ErrorResponse,
+    CompletionResponse,
+    ChatCompletionResponse,
+    ResponseObject,
+    DeletedResponse,
+    ModelList,
+    ModelCard,
+    GenerateResult,
+    FlushCacheResponse,
+    ServerInfo,
+    Health,
+]
 
 
 def documented(request_model: type[BaseModel] | None, responses: dict) -> dict:
     """Keyword arguments of a route decorator that document its body and responses."""
-    errors = {status: {"description": text, **{"content": _json(ErrorResponse)}} for status, text in
-              ERROR_STATUSES.items()}
+    errors = {
+        status: {"description": text, **{"content": _json(ErrorResponse)}} for status, text in ERROR_STATUSES.items()
+    }
     extra: dict = {}
     if request_model is not None:
         REQUEST_MODELS.append(request_model)
@@ -254,14 +295,22 @@ def document_bounds(schemas: dict, vocab_size: int, context_len: int) -> None:
     inside a validator), so that clients and generated tests know them. Context length and vocabulary are this
     server's."""
     int64 = {"minimum": INT64_MIN, "maximum": INT64_MAX}
-    bounds = {"temperature": {"minimum": 0}, "top_p": {"exclusiveMinimum": 0, "maximum": 1}, "top_k": {"minimum": -1},
-              "min_p": {"minimum": 0, "maximum": 1}, "n": {"minimum": 1, "maximum": MAX_N}, "seed": int64,
-              "presence_penalty": {"minimum": -2, "maximum": 2}, "frequency_penalty": {"minimum": -2, "maximum": 2},
-              "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
-              "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
-              "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
-              "top_logprobs_num": {"minimum": 0, "maximum": MAX_LOGPROBS},
-              "min_tokens": {"minimum": 0}, "min_new_tokens": {"minimum": 0}}
+    bounds = {
+        "temperature": {"minimum": 0},
+        "top_p": {"exclusiveMinimum": 0, "maximum": 1},
+        "top_k": {"minimum": -1},
+        "min_p": {"minimum": 0, "maximum": 1},
+        "n": {"minimum": 1, "maximum": MAX_N},
+        "seed": int64,
+        "presence_penalty": {"minimum": -2, "maximum": 2},
+        "frequency_penalty": {"minimum": -2, "maximum": 2},
+        "repetition_penalty": {"exclusiveMinimum": 0, "maximum": 2},
+        "logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+        "top_logprobs": {"minimum": 0, "maximum": MAX_LOGPROBS},
+        "top_logprobs_num": {"minimum": 0, "maximum": MAX_LOGPROBS},
+        "min_tokens": {"minimum": 0},
+        "min_new_tokens": {"minimum": 0},
+    }
     for name in ("max_tokens", "max_completion_tokens", "max_new_tokens", "max_output_tokens"):
         bounds[name] = {"minimum": 1, "maximum": context_len}
     for model in schemas.values():
@@ -288,10 +337,15 @@ def install_openapi(app: FastAPI, vocab_size: int, context_len: int) -> None:
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
-                                 description="OpenAI-compatible and native (SGLang-style) routes of radixserve")
-            _, requests = models_json_schema([(m, "validation") for m in dict.fromkeys(REQUEST_MODELS)],
-                                             ref_template=REF)
+            schema = get_openapi(
+                title=app.title,
+                version=app.version,
+                routes=app.routes,
+                description="OpenAI-compatible and native (SGLang-style) routes of radixserve",
+            )
+            _, requests = models_json_schema(
+                [(m, "validation") for m in dict.fromkeys(REQUEST_MODELS)], ref_template=REF
+            )
             _, responses = models_json_schema([(m, "serialization") for m in RESPONSE_MODELS], ref_template=REF)
             document_bounds(requests.get("$defs", {}), vocab_size, context_len)
             components = schema.setdefault("components", {}).setdefault("schemas", {})

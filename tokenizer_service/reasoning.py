@@ -79,9 +79,9 @@ class ReasoningSplitter:
                 if not head or any(tag.startswith(head) and tag != head for tag in (THINK_START, THINK_END)):
                     return reasoning, content  # not decided yet
                 if head.startswith(THINK_START):
-                    self._state, self._pending, self._lead = _REASONING, head[len(THINK_START):], True
+                    self._state, self._pending, self._lead = _REASONING, head[len(THINK_START) :], True
                 elif head.startswith(THINK_END):  # an empty block, closed at once
-                    self._state, self._pending, self._lead, self.closed = _CONTENT, head[len(THINK_END):], True, True
+                    self._state, self._pending, self._lead, self.closed = _CONTENT, head[len(THINK_END) :], True, True
                 elif self.start == OPEN:
                     self._state, self._pending = _REASONING, head
                 else:
@@ -99,14 +99,18 @@ class ReasoningSplitter:
             end = self._pending.find(THINK_END)
             if end >= 0:
                 reasoning += self._pending[:end].rstrip()
-                self._state, self._pending, self._lead, self.closed = \
-                    _CONTENT, self._pending[end + len(THINK_END):], True, True
+                self._state, self._pending, self._lead, self.closed = (
+                    _CONTENT,
+                    self._pending[end + len(THINK_END) :],
+                    True,
+                    True,
+                )
                 continue
             # Hold back a tag cut between pieces, and blank space that is the reasoning's end if </think> follows.
             cut = len(self._pending) - _partial_tag_length(self._pending, THINK_END)
             ready = self._pending[:cut].rstrip()
             reasoning += ready
-            self._pending = self._pending[len(ready):]
+            self._pending = self._pending[len(ready) :]
             return reasoning, content
 
 

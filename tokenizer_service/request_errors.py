@@ -8,9 +8,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 
-def openai_error(
-    message: str, type: str = "invalid_request_error", param: str | None = None, code: int = 400
-) -> dict:
+def openai_error(message: str, type: str = "invalid_request_error", param: str | None = None, code: int = 400) -> dict:
     """The body of an OpenAI error response: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 

@@ -72,7 +72,6 @@ def _check_prompt(name: str, value: Any, allow_text: bool = True, allow_ids: boo
     raise shape_error
 
 
-
 def _check_cache_salt(value: Any) -> Any:
     """cache_salt: the tenant's cache namespace (requests share cached prompts only with the same salt). Any
     non-empty string; it is compared, never shown, so its length is bounded only to keep messages small."""

@@ -1,10 +1,10 @@
 """Requests in flight between the HTTP handlers and the scheduler process.
 
-One HTTP request becomes a RequestGroup of sequences: one per prompt and per choice (n), each a separate scheduler
-request with rid f"{request_id}-{index}". A background task receives BatchOutputs from the scheduler, turns each
-RequestOutput into text through the sequence's RequestPipeline (radixserve/request_pipeline.py, the same code as
-Engine.generate) and puts the SequenceOutput into its group's queue, where the HTTP handler (streaming or not)
-picks it up.
+One HTTP request becomes a RequestGroup of sequences (request_group.py): one per prompt and per choice (n), each a
+separate scheduler request with rid f"{request_id}-{index}". A background task receives BatchOutputs from the
+scheduler, turns each RequestOutput into text through the sequence's RequestPipeline (radixserve/request_pipeline.py,
+the same code as Engine.generate) and puts the SequenceOutput into its group's queue, where the HTTP handler
+(streaming or not) picks it up.
 
 The scheduler decides when a sequence finishes (stop strings included). Only a client that disconnects, or an
 engine that stops answering, ends a sequence here: it is finished for the client at once and an AbortRequest frees
@@ -21,8 +21,6 @@ import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass
-from typing import AsyncIterator
 
 import msgspec
 import zmq
@@ -32,12 +30,23 @@ from radixserve.runtime.ipc import AsyncChannel, Endpoints
 from radixserve.protocol import EngineFailed
 from radixserve.protocol import CacheStats, CacheStatsRequest
 from radixserve.protocol import ListPinsRequest, PinPrefixRequest, PinsReply, UnpinPrefixRequest
-from radixserve.protocol import (AbortRequest, BatchOutput, FlushCacheRequest, FlushCacheResult, RequestOutput,
-                                 SchedulerLoad, SchedulerToTokenizer, ServerInfo, ServerInfoRequest,
-                                 TokenizedRequest, pack_i32)
-from radixserve.request_pipeline import RequestPipeline, SequenceOutput, SequenceResult
+from radixserve.protocol import (
+    AbortRequest,
+    BatchOutput,
+    FlushCacheRequest,
+    FlushCacheResult,
+    RequestOutput,
+    SchedulerLoad,
+    SchedulerToTokenizer,
+    ServerInfo,
+    ServerInfoRequest,
+    TokenizedRequest,
+    pack_i32,
+)
+from radixserve.request_pipeline import SequenceOutput
 from radixserve.sampling import SamplingParams
 from tokenizer_service.metrics import ServerMetrics
+from tokenizer_service.request_group import RequestGroup, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -63,86 +72,16 @@ class EngineUnavailable(Exception):
     """The server is shutting down or the engine stopped answering (HTTP 503)."""
 
 
-class Sequence(RequestPipeline):
-    """One scheduler request: one choice of one prompt, with what the HTTP side tracks about it."""
-
-    def __init__(self, rid: str, index: int, prompt_index: int, prompt_ids: list[int], params: SamplingParams,
-                 tokenizer, group: "RequestGroup", arrival: float):
-        super().__init__(rid, prompt_ids, params, tokenizer, index)
-        self.prompt_index = prompt_index
-        self.group = group
-        self.arrival = arrival  # time.monotonic() when the HTTP request arrived
-        self.last_token_at: float | None = None
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-
-class RequestGroup:
-    """The sequences of one HTTP request and the queue their outputs arrive on."""
-
-    def __init__(self, request_id: str, manager: "RequestManager"):
-        self.request_id = request_id
-        self.sequences: list[Sequence] = []
-        self._manager = manager
-        self._queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
-        self._unfinished = 0
-
-    @property
-    def finished(self) -> bool:
-        return self._unfinished == 0
-
-    def add(self, seq: Sequence) -> None:
-        self.sequences.append(seq)
-        self._unfinished += 1
-
-    def deliver(self, output: SequenceOutput) -> None:
-        """Called by the RequestManager for each output of one of our sequences; the last one has finished=True."""
-        if output.finished:
-            self._unfinished -= 1
-        self._queue.put_nowait(output)
-
-    async def stream(self) -> AsyncIterator[list[SequenceOutput]]:
-        """Outputs as they come, everything already queued at each wake-up in one list (a client reading slower
-        than tokens arrive gets bigger chunks, not a growing backlog), until every sequence has finished."""
-        delivered_finished = 0
-        while delivered_finished < len(self.sequences):
-            batch = [await self._queue.get()]
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            delivered_finished += sum(o.finished for o in batch)
-            yield batch
-
-    async def collect(self) -> list[SequenceResult]:
-        """Wait for every sequence to finish; results in choice order."""
-        results = {s.index: SequenceResult(s.index) for s in self.sequences}
-        async for batch in self.stream():
-            for out in batch:
-                results[out.index].add(out)
-        return [results[i] for i in sorted(results)]
-
-    def usage(self) -> Usage:
-        """Prompt tokens count once per prompt however many choices share it (as OpenAI counts them); cached
-        tokens are the fewest any choice of that prompt found in the cache."""
-        prompt_tokens, cached_tokens = 0, 0
-        for prompt_index in sorted({s.prompt_index for s in self.sequences}):
-            same_prompt = [s for s in self.sequences if s.prompt_index == prompt_index]
-            prompt_tokens += len(same_prompt[0].prompt_ids)
-            cached_tokens += min(s.cached_tokens for s in same_prompt)
-        return Usage(prompt_tokens, sum(s.completion_tokens for s in self.sequences), cached_tokens)
-
-    def abort(self) -> None:
-        """Stop every unfinished sequence (client gone, handler failed); a no-op once all have finished."""
-        self._manager.abort_group(self)
-
-
 class RequestManager:
-    def __init__(self, tokenizer, endpoints: Endpoints, metrics: ServerMetrics, max_in_flight: int,
-                 engine_dead_s: float = ENGINE_DEAD_S, max_per_request: int | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        endpoints: Endpoints,
+        metrics: ServerMetrics,
+        max_in_flight: int,
+        engine_dead_s: float = ENGINE_DEAD_S,
+        max_per_request: int | None = None,
+    ):
         """max_in_flight: --max-queued-requests; max_per_request: --max-sequences-per-request (None: no cap)."""
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -169,11 +108,14 @@ class RequestManager:
         """Bind and connect the scheduler sockets and start the receive loop (inside the running event loop)."""
         self._ctx = zmq.asyncio.Context()
         self._to_scheduler = AsyncChannel(self._ctx, zmq.PUSH, self._endpoints.tokenizer_to_scheduler, bind=False)
-        self._from_scheduler = AsyncChannel(self._ctx, zmq.PULL, self._endpoints.scheduler_to_tokenizer, bind=True,
-                                            recv_type=SchedulerToTokenizer)
-        self._tasks = [asyncio.create_task(self._receive_loop(), name="scheduler-receive"),
-                       asyncio.create_task(self._watchdog(), name="scheduler-watchdog"),
-                       asyncio.create_task(self._learn_kv_pool(), name="learn-kv-pool")]
+        self._from_scheduler = AsyncChannel(
+            self._ctx, zmq.PULL, self._endpoints.scheduler_to_tokenizer, bind=True, recv_type=SchedulerToTokenizer
+        )
+        self._tasks = [
+            asyncio.create_task(self._receive_loop(), name="scheduler-receive"),
+            asyncio.create_task(self._watchdog(), name="scheduler-watchdog"),
+            asyncio.create_task(self._learn_kv_pool(), name="learn-kv-pool"),
+        ]
 
     def begin_shutdown(self) -> None:
         """Refuse new requests and end the ones in flight with an error, so that no client waits on an engine
@@ -198,8 +140,15 @@ class RequestManager:
         return len(self._sequences)
 
     # ------------------------------------------------------------------ submitting and aborting
-    def submit(self, request_id: str, prompts: list[tuple[list[int], SamplingParams]], n: int = 1,
-               arrival: float | None = None, priority: int = 0, cache_salt: str | None = None) -> RequestGroup:
+    def submit(
+        self,
+        request_id: str,
+        prompts: list[tuple[list[int], SamplingParams]],
+        n: int = 1,
+        arrival: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestGroup:
         """Send n sequences per prompt to the scheduler. With a seed, choice j samples with seed + j so that the
         n choices differ (one seed for all would give n identical samples)."""
         if self._closing:
@@ -210,15 +159,18 @@ class RequestManager:
         if self.max_per_request is not None and wanted > self.max_per_request:
             raise TooManySequences(
                 f"This request has {wanted} sequences ({len(prompts)} prompts x n={n}), more than the limit of "
-                f"{self.max_per_request} per request (--max-sequences-per-request).")
+                f"{self.max_per_request} per request (--max-sequences-per-request)."
+            )
         if wanted > self.max_in_flight:
             raise TooManySequences(
                 f"This request has {wanted} sequences ({len(prompts)} prompts x n={n}), more than this server ever "
-                f"holds in flight ({self.max_in_flight}, --max-queued-requests).")
+                f"holds in flight ({self.max_in_flight}, --max-queued-requests)."
+            )
         if self.num_in_flight + wanted > self.max_in_flight:
             raise EngineOverloaded(
                 f"The server is overloaded: {self.num_in_flight} sequences in flight and this request adds "
-                f"{wanted}, above the limit of {self.max_in_flight} (--max-queued-requests). Retry later.")
+                f"{wanted}, above the limit of {self.max_in_flight} (--max-queued-requests). Retry later."
+            )
         arrival = time.monotonic() if arrival is None else arrival
         wall_arrival = time.time() - (time.monotonic() - arrival)
         group = RequestGroup(request_id, self)
@@ -229,13 +181,22 @@ class RequestManager:
                 else:
                     params_j = params
                 index = prompt_index * n + sample
-                seq = Sequence(f"{request_id}-{index}", index, prompt_index, prompt_ids, params_j, self.tokenizer,
-                               group, arrival)
+                seq = Sequence(
+                    f"{request_id}-{index}", index, prompt_index, prompt_ids, params_j, self.tokenizer, group, arrival
+                )
                 group.add(seq)
         for seq in group.sequences:
             self._sequences[seq.rid] = seq
-            self._to_scheduler.send(TokenizedRequest(seq.rid, pack_i32(seq.prompt_ids), seq.params, wall_arrival,
-                                                     priority=priority, cache_salt=cache_salt))
+            self._to_scheduler.send(
+                TokenizedRequest(
+                    seq.rid,
+                    pack_i32(seq.prompt_ids),
+                    seq.params,
+                    wall_arrival,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            )
         self.metrics.num_requests_in_flight.set(self.num_in_flight)
         return group
 
@@ -354,11 +315,13 @@ class RequestManager:
     async def flush_cache(self, timeout: float = HEALTH_TIMEOUT_S, keep_pins: bool = True) -> FlushCacheResult:
         return await self._ask(FlushCacheRequest, timeout, keep_pins=keep_pins)
 
-    async def pin_prefix(self, input_ids: list[int], cache_salt: str | None, ttl_seconds: float | None,
-                         timeout: float) -> PinsReply:
+    async def pin_prefix(
+        self, input_ids: list[int], cache_salt: str | None, ttl_seconds: float | None, timeout: float
+    ) -> PinsReply:
         """Pin a prefix (the scheduler computes it first if it is not cached: the reply can take a prefill)."""
-        return await self._ask(PinPrefixRequest, timeout, input_ids=pack_i32(input_ids), cache_salt=cache_salt,
-                               ttl_seconds=ttl_seconds)
+        return await self._ask(
+            PinPrefixRequest, timeout, input_ids=pack_i32(input_ids), cache_salt=cache_salt, ttl_seconds=ttl_seconds
+        )
 
     async def unpin_prefix(self, pin_id: str, timeout: float = HEALTH_TIMEOUT_S) -> PinsReply:
         return await self._ask(UnpinPrefixRequest, timeout, pin_id=pin_id)
@@ -389,8 +352,9 @@ class RequestManager:
                 continue
             silence = time.monotonic() - self.last_heard
             if silence > self.engine_dead_s:
-                logger.error("no message from the scheduler for %.0f s; failing %d sequences", silence,
-                             len(self._sequences))
+                logger.error(
+                    "no message from the scheduler for %.0f s; failing %d sequences", silence, len(self._sequences)
+                )
                 self.fail_all(f"The engine stopped responding (no message from the scheduler for {silence:.0f} s)")
             elif silence > STALL_PING_S:
                 # Any reply counts as a sign of life (it updates last_heard); nobody waits on this one.

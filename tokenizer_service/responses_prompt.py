@@ -19,18 +19,19 @@ from tokenizer_service.responses_store import StoredResponse
 from tokenizer_service.tokenization import Tokenization
 
 
-async def turn_prompt(tokenization: Tokenization, chat: ChatCompletionRequest,
-                      previous: StoredResponse | None) -> list[int]:
+async def turn_prompt(
+    tokenization: Tokenization, chat: ChatCompletionRequest, previous: StoredResponse | None
+) -> list[int]:
     ids = await tokenization.encode_chat(chat)
     if previous is None:
         return ids
     prompt_ids, output_ids = previous.token_ids()
     before = prompt_ids + output_ids
-    if ids[:len(before)] == before:
+    if ids[: len(before)] == before:
         return ids
     # Decoded in the tokenizer pool, as every other text of a request: off the event loop.
     text, before_text = await asyncio.gather(tokenization.decode(ids), tokenization.decode(before))
     if not text.startswith(before_text):
         return ids
-    rest = text[len(before_text):]
+    rest = text[len(before_text) :]
     return before + (await tokenization.encode_text(rest, add_special_tokens=False, param="input") if rest else [])

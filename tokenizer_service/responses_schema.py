@@ -32,8 +32,12 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 MAX_METADATA_PAIRS, MAX_METADATA_KEY, MAX_METADATA_VALUE = 16, 64, 512  # OpenAI's limits
 MAX_RESPONSE_ID_CHARS = 256
 # A chat request's field -> the Responses field it came from, for error params.
-CHAT_TO_RESPONSES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-                     "response_format": "text.format", "chat_template_kwargs": "reasoning"}
+CHAT_TO_RESPONSES = {
+    "messages": "input",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text.format",
+    "chat_template_kwargs": "reasoning",
+}
 
 
 def _text_of(content: Any, path: str) -> str:
@@ -46,8 +50,10 @@ def _text_of(content: Any, path: str) -> str:
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS:
-            raise ValueError(f"{path}[{j}].type {kind!r} is not supported: this server takes text parts "
-                             f"({', '.join(TEXT_PARTS)}) only")
+            raise ValueError(
+                f"{path}[{j}].type {kind!r} is not supported: this server takes text parts "
+                f"({', '.join(TEXT_PARTS)}) only"
+            )
         if not isinstance(part.get("text"), str):
             raise ValueError(f"{path}[{j}].text must be a string")
         texts.append(part["text"])
@@ -81,18 +87,28 @@ def input_messages(value: str | list) -> list[dict]:
             arguments = item.get("arguments")
             if not isinstance(arguments, str):
                 raise ValueError(f"{path}.arguments must be a string (JSON text)")
-            call = {"id": _string(item, "call_id", path), "type": "function",
-                    "function": {"name": _string(item, "name", path), "arguments": arguments}}
+            call = {
+                "id": _string(item, "call_id", path),
+                "type": "function",
+                "function": {"name": _string(item, "name", path), "arguments": arguments},
+            }
             if messages and messages[-1]["role"] == "assistant":
                 messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", path),
-                             "content": _text_of(item.get("output"), f"{path}.output")})
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": _string(item, "call_id", path),
+                    "content": _text_of(item.get("output"), f"{path}.output"),
+                }
+            )
         elif kind != "reasoning":
-            raise ValueError(f"{path}.type {kind!r} is not supported: only message, function_call, "
-                             "function_call_output and reasoning items")
+            raise ValueError(
+                f"{path}.type {kind!r} is not supported: only message, function_call, "
+                "function_call_output and reasoning items"
+            )
     if not messages:
         raise ValueError("input must hold at least one message or function call item")
     return messages
@@ -104,8 +120,10 @@ def chat_tools(tools: list) -> list[dict]:
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
-            raise ValueError(f"tools[{i}].type {kind!r} is not supported: only function tools (built-in tools such "
-                             "as web_search or file_search are not served here)")
+            raise ValueError(
+                f"tools[{i}].type {kind!r} is not supported: only function tools (built-in tools such "
+                "as web_search or file_search are not served here)"
+            )
         name = _string(tool, "name", f"tools[{i}]")
         if not isinstance(tool.get("parameters") or {}, dict):
             raise ValueError(f"tools[{i}].parameters must be a JSON Schema object")
@@ -119,8 +137,10 @@ def chat_tool_choice(choice: Any) -> Any:
         return choice  # none | auto | required, checked with the tools by the chat request
     kind = choice.get("type") if isinstance(choice, dict) else None
     if kind != "function":
-        raise ValueError(f"tool_choice of type {kind!r} is not supported: use none, auto, required or "
-                         '{"type": "function", "name": ...}')
+        raise ValueError(
+            f"tool_choice of type {kind!r} is not supported: use none, auto, required or "
+            '{"type": "function", "name": ...}'
+        )
     return {"type": "function", "function": {"name": choice.get("name")}}
 
 
@@ -221,20 +241,27 @@ class ResponsesRequest(_StrictModel):
     @field_validator("metadata")
     @classmethod
     def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        if value is not None and (len(value) > MAX_METADATA_PAIRS or any(
-                len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in value.items())):
-            raise ValueError(f"metadata may hold {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY} and "
-                             f"values of at most {MAX_METADATA_VALUE} characters")
+        if value is not None and (
+            len(value) > MAX_METADATA_PAIRS
+            or any(len(k) > MAX_METADATA_KEY or len(v) > MAX_METADATA_VALUE for k, v in value.items())
+        ):
+            raise ValueError(
+                f"metadata may hold {MAX_METADATA_PAIRS} pairs, keys of at most {MAX_METADATA_KEY} and "
+                f"values of at most {MAX_METADATA_VALUE} characters"
+            )
         return value
 
-    @field_validator("background", "conversation", "prompt", "include", "truncation", "top_logprobs",
-                     "max_tool_calls")
+    @field_validator("background", "conversation", "prompt", "include", "truncation", "top_logprobs", "max_tool_calls")
     @classmethod
     def _unsupported(cls, value: Any, info) -> Any:
         if value in (None, False, [], "disabled"):
             return value
-        what = {"background": "background mode", "conversation": "the Conversations API",
-                "prompt": "stored prompt templates", "truncation": "truncation 'auto'"}.get(info.field_name)
+        what = {
+            "background": "background mode",
+            "conversation": "the Conversations API",
+            "prompt": "stored prompt templates",
+            "truncation": "truncation 'auto'",
+        }.get(info.field_name)
         raise ValueError(f"{info.field_name} is not supported on this server" + (f" ({what})" if what else ""))
 
     def response_format(self) -> dict | None:
@@ -249,12 +276,20 @@ class ResponsesRequest(_StrictModel):
         conversation = history + input_messages(self.input)
         system = [{"role": "system", "content": self.instructions}] if self.instructions else []
         thinking_off = self.reasoning is not None and self.reasoning.effort == "none"
-        body = {"messages": system + conversation, "max_completion_tokens": self.max_output_tokens,
-                "temperature": self.temperature, "top_p": self.top_p, "tools": chat_tools(self.tools or []) or None,
-                "tool_choice": chat_tool_choice(self.tool_choice), "parallel_tool_calls": self.parallel_tool_calls,
-                "response_format": self.response_format(), "regex": self.regex, "ebnf": self.ebnf,
-                "cache_salt": self.cache_salt,
-                "chat_template_kwargs": {"enable_thinking": False} if thinking_off else None}
+        body = {
+            "messages": system + conversation,
+            "max_completion_tokens": self.max_output_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "tools": chat_tools(self.tools or []) or None,
+            "tool_choice": chat_tool_choice(self.tool_choice),
+            "parallel_tool_calls": self.parallel_tool_calls,
+            "response_format": self.response_format(),
+            "regex": self.regex,
+            "ebnf": self.ebnf,
+            "cache_salt": self.cache_salt,
+            "chat_template_kwargs": {"enable_thinking": False} if thinking_off else None,
+        }
         try:
             chat = ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
         except ValidationError as e:

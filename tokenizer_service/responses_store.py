@@ -34,8 +34,10 @@ class StoredResponse:
     created: float = field(default_factory=time.monotonic)
 
     def token_ids(self) -> tuple[list[int], list[int]]:
-        return (np.frombuffer(self.prompt_ids, dtype=np.int32).tolist(),
-                np.frombuffer(self.output_ids, dtype=np.int32).tolist())
+        return (
+            np.frombuffer(self.prompt_ids, dtype=np.int32).tolist(),
+            np.frombuffer(self.output_ids, dtype=np.int32).tolist(),
+        )
 
 
 def pack_ids(ids: list[int]) -> bytes:

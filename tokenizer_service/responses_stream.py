@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import msgspec
 
-from tokenizer_service.responses_output import (function_call_item, message_item, new_id, output_text,
-                                                reasoning_item)
+from tokenizer_service.responses_output import function_call_item, message_item, new_id, output_text, reasoning_item
 
 REASONING_PART = {"type": "reasoning_text", "text": ""}
 
@@ -46,8 +45,10 @@ class ResponseEvents:
         return b"event: " + kind.encode() + b"\ndata: " + msgspec.json.encode(payload) + b"\n\n"
 
     def start(self) -> list[bytes]:
-        return [self._event("response.created", response=self.response),
-                self._event("response.in_progress", response=self.response)]
+        return [
+            self._event("response.created", response=self.response),
+            self._event("response.in_progress", response=self.response),
+        ]
 
     def _where(self, item_id: str) -> dict:
         return {"item_id": item_id, "output_index": len(self.items)}
@@ -59,23 +60,31 @@ class ResponseEvents:
             events += self._close()
         if self._open is None:
             item_id = new_id("rs" if kind == "reasoning" else "msg")
-            item = reasoning_item(item_id, "", "in_progress") if kind == "reasoning" \
+            item = (
+                reasoning_item(item_id, "", "in_progress")
+                if kind == "reasoning"
                 else message_item(item_id, "", "in_progress")
+            )
             if kind == "reasoning":
                 item["content"] = []
             part = REASONING_PART if kind == "reasoning" else output_text("")
-            events += [self._event("response.output_item.added", output_index=len(self.items), item=item),
-                       self._event("response.content_part.added", content_index=0, part=part,
-                                   **self._where(item_id))]
+            events += [
+                self._event("response.output_item.added", output_index=len(self.items), item=item),
+                self._event("response.content_part.added", content_index=0, part=part, **self._where(item_id)),
+            ]
             self._open = (kind, item_id, "")
         _, item_id, so_far = self._open
         self._open = (kind, item_id, so_far + text)
         if kind == "reasoning":
-            events.append(self._event("response.reasoning_text.delta", content_index=0, delta=text,
-                                      **self._where(item_id)))
+            events.append(
+                self._event("response.reasoning_text.delta", content_index=0, delta=text, **self._where(item_id))
+            )
         else:
-            events.append(self._event("response.output_text.delta", content_index=0, delta=text, logprobs=[],
-                                      **self._where(item_id)))
+            events.append(
+                self._event(
+                    "response.output_text.delta", content_index=0, delta=text, logprobs=[], **self._where(item_id)
+                )
+            )
         return events
 
     def _close(self) -> list[bytes]:
@@ -84,12 +93,16 @@ class ResponseEvents:
         where = self._where(item_id)
         if kind == "reasoning":
             item = reasoning_item(item_id, text)
-            events = [self._event("response.reasoning_text.done", content_index=0, text=text, **where),
-                      self._event("response.content_part.done", content_index=0, part=item["content"][0], **where)]
+            events = [
+                self._event("response.reasoning_text.done", content_index=0, text=text, **where),
+                self._event("response.content_part.done", content_index=0, part=item["content"][0], **where),
+            ]
         else:
             item = message_item(item_id, text)
-            events = [self._event("response.output_text.done", content_index=0, text=text, logprobs=[], **where),
-                      self._event("response.content_part.done", content_index=0, part=item["content"][0], **where)]
+            events = [
+                self._event("response.output_text.done", content_index=0, text=text, logprobs=[], **where),
+                self._event("response.content_part.done", content_index=0, part=item["content"][0], **where),
+            ]
         events.append(self._event("response.output_item.done", output_index=len(self.items), item=item))
         self.items.append(item)
         return events
@@ -100,8 +113,11 @@ class ResponseEvents:
         where = self._where(item_id)
         item = function_call_item(item_id, call)
         events += [
-            self._event("response.output_item.added", output_index=len(self.items),
-                        item=function_call_item(item_id, call, "in_progress")),
+            self._event(
+                "response.output_item.added",
+                output_index=len(self.items),
+                item=function_call_item(item_id, call, "in_progress"),
+            ),
             self._event("response.function_call_arguments.delta", delta=item["arguments"], **where),
             self._event("response.function_call_arguments.done", arguments=item["arguments"], **where),
             self._event("response.output_item.done", output_index=len(self.items), item=item),
@@ -129,6 +145,10 @@ class ResponseEvents:
 
     def failed(self, message: str, status: int) -> list[bytes]:
         code = "server_error" if status >= 500 else "invalid_request"
-        response = {**self.response, "status": "failed", "output": self.items,
-                    "error": {"code": code, "message": message}}
+        response = {
+            **self.response,
+            "status": "failed",
+            "output": self.items,
+            "error": {"code": code, "message": message},
+        }
         return [self._event("response.failed", response=response)]

@@ -107,8 +107,14 @@ async def pin_token_ids(ctx: ServingContext, body: PinRequest) -> list[int]:
 
 
 def pin_json(pin: PinEntry) -> dict:
-    body = {"id": pin.id, "object": "cache.pin", "num_tokens": pin.num_tokens, "cache_salt": pin.cache_salt,
-            "created_at": pin.created_at, "expires_at": pin.expires_at}
+    body = {
+        "id": pin.id,
+        "object": "cache.pin",
+        "num_tokens": pin.num_tokens,
+        "cache_salt": pin.cache_salt,
+        "created_at": pin.created_at,
+        "expires_at": pin.expires_at,
+    }
     if pin.replicas:  # --dp-size > 1: which replicas hold it (all of them, unless its TTL is running out)
         body["replicas"] = pin.replicas
     return body
@@ -145,15 +151,17 @@ def add_cache_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def list_pins():
         reply = await _ask(ctx.manager.list_pins(LIST_TIMEOUT_S), LIST_TIMEOUT_S)
         _raise_unless_ok(reply)
-        return JSONResponse({"object": "list", "data": [pin_json(p) for p in reply.pins],
-                             "pinned_tokens": reply.pinned_tokens})
+        return JSONResponse(
+            {"object": "list", "data": [pin_json(p) for p in reply.pins], "pinned_tokens": reply.pinned_tokens}
+        )
 
     @app.delete("/v1/cache/pin/{pin_id}", include_in_schema=False)
     async def unpin_prefix(pin_id: str):
         reply = await _ask(ctx.manager.unpin_prefix(pin_id, LIST_TIMEOUT_S), LIST_TIMEOUT_S)
         _raise_unless_ok(reply)
-        return JSONResponse({"id": pin_id, "object": "cache.pin", "deleted": True,
-                             "pinned_tokens": reply.pinned_tokens})
+        return JSONResponse(
+            {"id": pin_id, "object": "cache.pin", "deleted": True, "pinned_tokens": reply.pinned_tokens}
+        )
 
 
 def drop_pins_param(request: Request) -> bool:

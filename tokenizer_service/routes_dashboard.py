@@ -35,8 +35,8 @@ PAGE_PATH, SCRIPT_PATH = "/dashboard", "/dashboard/dashboard.js"
 # nodes (never as HTML), and this policy stops anything injected from running anyway.
 PAGE_HEADERS = {
     "content-security-policy": "default-src 'none'; script-src 'self'; connect-src 'self'; img-src 'self'; "
-                               "style-src 'self' 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
-                               "frame-ancestors 'none'",
+    "style-src 'self' 'unsafe-inline'; base-uri 'none'; form-action 'none'; "
+    "frame-ancestors 'none'",
     "x-content-type-options": "nosniff",
     "referrer-policy": "no-referrer",
     "cache-control": "no-cache",
@@ -86,11 +86,23 @@ def add_dashboard_routes(app: FastAPI, ctx: ServingContext) -> None:
 def stats_json(ctx: ServingContext, numbers: dict, prefixes) -> dict:
     """The scheduler's numbers as they came (scheduler_service/cache_stats.py), the front end's own, and each large
     prefix with its first words decoded."""
-    return {"time": time.time(), "model": ctx.model_name, **numbers,
-            "num_requests_in_flight": ctx.manager.num_in_flight,
-            "largest_prefixes": [{"num_tokens": p.num_tokens, "hits": p.hits, "last_use": p.last_use,
-                                  "pinned": p.pinned, "tenant": _tenant(p.namespace),
-                                  "text": _first_words(ctx, p.first_tokens)} for p in prefixes]}
+    return {
+        "time": time.time(),
+        "model": ctx.model_name,
+        **numbers,
+        "num_requests_in_flight": ctx.manager.num_in_flight,
+        "largest_prefixes": [
+            {
+                "num_tokens": p.num_tokens,
+                "hits": p.hits,
+                "last_use": p.last_use,
+                "pinned": p.pinned,
+                "tenant": _tenant(p.namespace),
+                "text": _first_words(ctx, p.first_tokens),
+            }
+            for p in prefixes
+        ],
+    }
 
 
 def _first_words(ctx: ServingContext, first_tokens: bytes) -> str:

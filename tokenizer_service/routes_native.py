@@ -39,16 +39,35 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
         prompts = await ctx.tokenization.encode_prompts(prompt, param)
         batched = isinstance(prompt, list) and (param == "text" or isinstance(prompt[0], list))
         request_id = uuid.uuid4().hex
-        group = submit(ctx, request_id, build_prompts(ctx, fields, prompts, param), n, arrival,
-                       cache_salt=req.cache_salt, priority=req.priority)
+        group = submit(
+            ctx,
+            request_id,
+            build_prompts(ctx, fields, prompts, param),
+            n,
+            arrival,
+            cache_salt=req.cache_salt,
+            priority=req.priority,
+        )
         if req.stream:
             return EventStreamResponse(generate_events(group, request_id, arrival, req.return_logprob), group)
         results = await collect(request, group)
         latency = time.monotonic() - arrival
         by_index = {s.index: s for s in group.sequences}
-        out = [R.native_result(request_id, r.index, r.text, r.token_ids, r.finish_reason, r.matched_stop,
-                               len(by_index[r.index].prompt_ids), by_index[r.index].cached_tokens,
-                               r.logprobs if req.return_logprob else None, latency) for r in results]
+        out = [
+            R.native_result(
+                request_id,
+                r.index,
+                r.text,
+                r.token_ids,
+                r.finish_reason,
+                r.matched_stop,
+                len(by_index[r.index].prompt_ids),
+                by_index[r.index].cached_tokens,
+                r.logprobs if req.return_logprob else None,
+                latency,
+            )
+            for r in results
+        ]
         return JSONResponse(out if batched or n > 1 else out[0])
 
     @app.post("/flush_cache", **documented(None, NATIVE_RESPONSES["flush_cache"]))
@@ -71,10 +90,18 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
         args = ctx.args.to_dict()
         if args.get("api_key"):
             args["api_key"] = "<redacted>"
-        return JSONResponse({**info, **router_server_fields(ctx, info), "model": ctx.model_name,
-                             "model_dir": ctx.model_dir,
-                             "context_len": ctx.context_len, "vocab_size": ctx.vocab_size,
-                             "num_requests_in_flight": ctx.manager.num_in_flight, "server_args": args})
+        return JSONResponse(
+            {
+                **info,
+                **router_server_fields(ctx, info),
+                "model": ctx.model_name,
+                "model_dir": ctx.model_dir,
+                "context_len": ctx.context_len,
+                "vocab_size": ctx.vocab_size,
+                "num_requests_in_flight": ctx.manager.num_in_flight,
+                "server_args": args,
+            }
+        )
 
     @app.get("/health", **documented(None, NATIVE_RESPONSES["health"]))
     async def health():
@@ -88,10 +115,15 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
         try:
             info = await ctx.manager.server_info(METRICS_REFRESH_TIMEOUT_S)
             if "kv_total" in info:
-                ctx.metrics.update_load(SchedulerLoad(
-                    int(info["num_running"]), int(info["num_waiting"]),
-                    int(info.get("kv_protected", 0)) + int(info.get("kv_owned", 0)), int(info.get("kv_evictable", 0)),
-                    int(info["kv_total"])))
+                ctx.metrics.update_load(
+                    SchedulerLoad(
+                        int(info["num_running"]),
+                        int(info["num_waiting"]),
+                        int(info.get("kv_protected", 0)) + int(info.get("kv_owned", 0)),
+                        int(info.get("kv_evictable", 0)),
+                        int(info["kv_total"]),
+                    )
+                )
                 ctx.metrics.update_replicas(info)  # --dp-size > 1: per-replica gauges
                 # hit rate, pins, host tier, evictions (scheduler_service/cache_stats.py)
                 ctx.metrics.update_cache(info)

@@ -21,8 +21,15 @@ from tokenizer_service.streaming import EventStreamResponse, OpenAIStream, opena
 from tokenizer_service.structured_outputs import ChatTools
 
 
-async def _generate(ctx: ServingContext, request: Request, req: CompletionRequest | ChatCompletionRequest,
-                    prompts: list[list[int]], arrival: float, chat: bool, want_logprobs: bool):
+async def _generate(
+    ctx: ServingContext,
+    request: Request,
+    req: CompletionRequest | ChatCompletionRequest,
+    prompts: list[list[int]],
+    arrival: float,
+    chat: bool,
+    want_logprobs: bool,
+):
     fields = to_sampling_fields(req)
     n = fields.pop("n")
     await ctx.grammar_check.check(fields)  # a grammar that does not compile is a 400 (structured_outputs.py)
@@ -46,14 +53,30 @@ async def _generate(ctx: ServingContext, request: Request, req: CompletionReques
         return EventStreamResponse(events, group)
     results = await collect(request, group)
     if chat:
-        return JSONResponse(R.chat_response(request_id, created, ctx.model_name, results, group.usage(),
-                                            ctx.token_text, want_logprobs, tools, echo_texts[0] if echo_texts else ""))
+        return JSONResponse(
+            R.chat_response(
+                request_id,
+                created,
+                ctx.model_name,
+                results,
+                group.usage(),
+                ctx.token_text,
+                want_logprobs,
+                tools,
+                echo_texts[0] if echo_texts else "",
+            )
+        )
     echoes = None
     if echo_texts is not None:
-        echoes = {seq.index: R.echo_of(echo_texts[seq.prompt_index], seq.prompt_ids, seq.prompt_logprobs)
-                  for seq in group.sequences}
-    return JSONResponse(R.completion_response(request_id, created, ctx.model_name, results, group.usage(),
-                                              ctx.token_text, want_logprobs, echoes))
+        echoes = {
+            seq.index: R.echo_of(echo_texts[seq.prompt_index], seq.prompt_ids, seq.prompt_logprobs)
+            for seq in group.sequences
+        }
+    return JSONResponse(
+        R.completion_response(
+            request_id, created, ctx.model_name, results, group.usage(), ctx.token_text, want_logprobs, echoes
+        )
+    )
 
 
 async def _echo_texts(ctx: ServingContext, req: CompletionRequest, prompts) -> list[str]:
@@ -84,8 +107,14 @@ def add_openai_routes(app: FastAPI, ctx: ServingContext) -> None:
         return await _generate(ctx, request, req, [prompt], arrival, chat=True, want_logprobs=req.logprobs)
 
     def model_card() -> dict:
-        return {"id": ctx.model_name, "object": "model", "created": ctx.started_at, "owned_by": "radixserve",
-                "root": ctx.model_dir, "max_model_len": ctx.context_len}
+        return {
+            "id": ctx.model_name,
+            "object": "model",
+            "created": ctx.started_at,
+            "owned_by": "radixserve",
+            "root": ctx.model_dir,
+            "max_model_len": ctx.context_len,
+        }
 
     @app.get("/v1/models", **documented(None, OPENAI_RESPONSES["models"]))
     async def models():

@@ -23,14 +23,27 @@ from tokenizer_service.errors import JSONResponse, RequestError
 from tokenizer_service.openai_schema import ChatCompletionRequest, to_sampling_fields
 from tokenizer_service.openapi_docs import OPENAI_RESPONSES, documented
 from tokenizer_service.request_fields import _check_cache_salt
-from tokenizer_service.responses_output import (new_id, output_items, reasoning_tokens, response_object, status_of,
-                                                usage_json)
+from tokenizer_service.responses_output import (
+    new_id,
+    output_items,
+    reasoning_tokens,
+    response_object,
+    status_of,
+    usage_json,
+)
 from tokenizer_service.responses_prompt import turn_prompt
 from tokenizer_service.responses_schema import CHAT_TO_RESPONSES, ResponsesRequest
 from tokenizer_service.responses_store import ResponseStore, StoredResponse, owner_of, pack_ids
 from tokenizer_service.responses_stream import ResponseEvents
-from tokenizer_service.serving import (ServingContext, build_prompts, check_cache_salt, check_model, collect,
-                                       parse_body, submit)
+from tokenizer_service.serving import (
+    ServingContext,
+    build_prompts,
+    check_cache_salt,
+    check_model,
+    collect,
+    parse_body,
+    submit,
+)
 from tokenizer_service.streaming import EventStreamResponse, merged_outputs
 from tokenizer_service.structured_outputs import ChatTools
 
@@ -39,15 +52,18 @@ def conversation_message(items: list[dict]) -> dict:
     """This turn's output as the assistant message the next turn's prompt renders (its reasoning left out, as the
     chat templates leave out earlier turns' thinking)."""
     text = "".join(part["text"] for item in items if item["type"] == "message" for part in item["content"])
-    calls = [{"id": item["call_id"], "type": "function",
-              "function": {"name": item["name"], "arguments": item["arguments"]}}
-             for item in items if item["type"] == "function_call"]
+    calls = [
+        {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+        for item in items
+        if item["type"] == "function_call"
+    ]
     return {"role": "assistant", "content": text or (None if calls else ""), **({"tool_calls": calls} if calls else {})}
 
 
 @dataclass
 class Turn:
     """One POST /v1/responses in flight: what its answer and its stored entry are made of."""
+
     id: str
     created: int
     req: ResponsesRequest
@@ -65,8 +81,13 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
         check_cache_salt(ctx, cache_salt)
         entry = store.get(owner_of(request.headers.get("authorization"), ctx.args.api_key), cache_salt, response_id)
         if entry is None:
-            raise RequestError(f"No response with id '{response_id}' is stored here (unknown, expired, deleted or "
-                               "made with another cache_salt).", status=404, type="not_found_error", param=param)
+            raise RequestError(
+                f"No response with id '{response_id}' is stored here (unknown, expired, deleted or "
+                "made with another cache_salt).",
+                status=404,
+                type="not_found_error",
+                param=param,
+            )
         return entry
 
     def query_salt(cache_salt: str | None) -> str | None:
@@ -79,11 +100,28 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
         """The finished response, stored when the request asked for it."""
         status, incomplete = status_of(finish_reason)
         message = conversation_message(items)
-        body = response_object(turn.id, turn.created, ctx.model_name, turn.req, items, status,
-                               usage_json(usage, reasoning_tokens(token_ids, items, end_token_id)), incomplete)
+        body = response_object(
+            turn.id,
+            turn.created,
+            ctx.model_name,
+            turn.req,
+            items,
+            status,
+            usage_json(usage, reasoning_tokens(token_ids, items, end_token_id)),
+            incomplete,
+        )
         if turn.req.store:
-            store.put(StoredResponse(turn.id, turn.owner, turn.req.cache_salt, body, turn.conversation + [message],
-                                     pack_ids(turn.prompt_ids), pack_ids(token_ids)))
+            store.put(
+                StoredResponse(
+                    turn.id,
+                    turn.owner,
+                    turn.req.cache_salt,
+                    body,
+                    turn.conversation + [message],
+                    pack_ids(turn.prompt_ids),
+                    pack_ids(token_ids),
+                )
+            )
         return body
 
     async def stream(turn: Turn, group):
@@ -114,17 +152,27 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
         arrival = time.monotonic()
         req = await parse_body(request, ResponsesRequest)
         check_model(ctx, req.model)
-        previous = lookup(request, req.previous_response_id, req.cache_salt, "previous_response_id") \
-            if req.previous_response_id is not None else None
+        previous = (
+            lookup(request, req.previous_response_id, req.cache_salt, "previous_response_id")
+            if req.previous_response_id is not None
+            else None
+        )
         # Validating a long conversation as a chat request takes a while: not on the event loop.
-        chat, conversation = await asyncio.to_thread(req.chat_request,
-                                                     previous.conversation if previous is not None else [])
+        chat, conversation = await asyncio.to_thread(
+            req.chat_request, previous.conversation if previous is not None else []
+        )
         prompt = await turn_prompt(ctx.tokenization, chat, previous)
         fields, reply = await _chat_fields(ctx, chat, prompt)
         prompts = build_prompts(ctx, fields, [prompt], "input")
-        turn = Turn(new_id("resp"), int(time.time()), req, owner_of(request.headers.get("authorization"),
-                                                                    ctx.args.api_key), conversation, prompts[0][0],
-                    reply)
+        turn = Turn(
+            new_id("resp"),
+            int(time.time()),
+            req,
+            owner_of(request.headers.get("authorization"), ctx.args.api_key),
+            conversation,
+            prompts[0][0],
+            reply,
+        )
         group = submit(ctx, turn.id, prompts, 1, arrival, cache_salt=req.cache_salt)
         if req.stream:
             return EventStreamResponse(stream(turn, group), group)

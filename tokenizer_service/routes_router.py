@@ -16,22 +16,37 @@ CONTROL_TIMEOUT_S = 5.0
 
 
 def model_fields(ctx: ServingContext) -> dict:
-    return {"model_path": ctx.model_dir, "tokenizer_path": ctx.args.tokenizer or ctx.model_dir,
-            "served_model_name": ctx.model_name, "is_generation": True, "preferred_sampling_params": None,
-            "weight_version": "default", "has_image_understanding": False, "has_audio_understanding": False,
-            "model_type": ctx.model_config.architecture, "architectures": [ctx.model_config.architecture]}
+    return {
+        "model_path": ctx.model_dir,
+        "tokenizer_path": ctx.args.tokenizer or ctx.model_dir,
+        "served_model_name": ctx.model_name,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": ctx.model_config.architecture,
+        "architectures": [ctx.model_config.architecture],
+    }
 
 
 def router_server_fields(ctx: ServingContext, info: dict) -> dict:
     """What the router reads from /server_info and /get_server_info, beside the scheduler's own numbers."""
-    return {"model_path": ctx.model_dir, "tokenizer_path": ctx.args.tokenizer or ctx.model_dir,
-            "served_model_name": ctx.model_name, "dp_size": ctx.args.dp_size, "tp_size": ctx.args.tp_size,
-            "max_total_tokens": info.get("kv_total"), "context_length": ctx.context_len,
-            "max_running_requests": ctx.args.max_running_requests}
+    return {
+        "model_path": ctx.model_dir,
+        "tokenizer_path": ctx.args.tokenizer or ctx.model_dir,
+        "served_model_name": ctx.model_name,
+        "dp_size": ctx.args.dp_size,
+        "tp_size": ctx.args.tp_size,
+        "max_total_tokens": info.get("kv_total"),
+        "context_length": ctx.context_len,
+        "max_running_requests": ctx.args.max_running_requests,
+    }
 
 
 def replica_loads(info: dict, dp_size: int) -> list[dict]:
     """/get_load: per replica, requests held (running + waiting), waiting, KV tokens in use by requests."""
+
     def one(prefix: str, dp_rank: int) -> dict:
         running, waiting = int(info.get(f"{prefix}num_running", 0)), int(info.get(f"{prefix}num_waiting", 0))
         tokens = int(info.get(f"{prefix}kv_owned", 0)) + int(info.get(f"{prefix}kv_protected", 0))
@@ -61,8 +76,9 @@ def add_router_routes(app: FastAPI, ctx: ServingContext) -> None:
         args = ctx.args.to_dict()
         if args.get("api_key"):
             args["api_key"] = "<redacted>"
-        return JSONResponse({**args, **info, **router_server_fields(ctx, info),
-                             "num_requests_in_flight": ctx.manager.num_in_flight})
+        return JSONResponse(
+            {**args, **info, **router_server_fields(ctx, info), "num_requests_in_flight": ctx.manager.num_in_flight}
+        )
 
     @app.get("/get_load", include_in_schema=False)
     async def get_load():

@@ -64,9 +64,10 @@ class DetokenizeResponse(BaseModel):
 
 def _chat_request(req: TokenizeRequest) -> ChatCompletionRequest:
     """The chat part of the body as a chat completion request, through the chat route's own validation."""
-    fields = req.model_dump(include={"messages", "add_generation_prompt", "continue_final_message",
-                                     "chat_template_kwargs", "tools"},
-                            exclude_none=True)
+    fields = req.model_dump(
+        include={"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"},
+        exclude_none=True,
+    )
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as e:
@@ -86,16 +87,18 @@ def add_tokenize_routes(app: FastAPI, ctx: ServingContext) -> None:
         else:
             tokens = await ctx.tokenization.encode_text(req.prompt, req.add_special_tokens, "prompt")
         token_strs = ctx.tokenizer.convert_ids_to_tokens(tokens) if req.return_token_strs else None
-        return JSONResponse({"count": len(tokens), "max_model_len": ctx.context_len, "tokens": tokens,
-                             "token_strs": token_strs})
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": ctx.context_len, "tokens": tokens, "token_strs": token_strs}
+        )
 
     async def detokenize(request: Request):
         req = await parse_body(request, DetokenizeRequest)
         check_model(ctx, req.model)
         outside = [t for t in req.tokens if t >= ctx.vocab_size]
         if outside:
-            raise RequestError(f"tokens contains {outside[0]}, outside the vocabulary [0, {ctx.vocab_size})",
-                               param="tokens")
+            raise RequestError(
+                f"tokens contains {outside[0]}, outside the vocabulary [0, {ctx.vocab_size})", param="tokens"
+            )
         return JSONResponse({"prompt": await ctx.tokenization.decode(req.tokens)})
 
     for path in ("/v1/tokenize", "/tokenize"):

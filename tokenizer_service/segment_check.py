@@ -17,10 +17,15 @@ from tokenizer_service.segment_cache import SegmentCache
 from tokenizer_service.structured_outputs import chat_template_inputs
 
 _EDGES = " \n  Cafe\u0301 na\u00efve 你好 🙂\t\r\n 2024-12-31 x=1234567 <|im_end|><|im_start|> end.  \n\n"
-_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                         "required": ["city"]}}}
-_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+_CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
 
 
 def sample_conversations() -> list[tuple[list[dict], list[dict] | None, dict]]:
@@ -35,11 +40,21 @@ def sample_conversations() -> list[tuple[list[dict], list[dict] | None, dict]]:
         ([{"role": "system", "content": ""}, {"role": "user", "content": " "}], None, {"add_generation_prompt": False}),
         (turns, None, {"add_generation_prompt": True}),
         (turns, None, {"add_generation_prompt": True, "enable_thinking": False}),
-        ([system, user, {"role": "assistant", "content": "", "tool_calls": [_CALL]},
-          {"role": "tool", "content": " 18 C, clear ", "tool_call_id": "call_1"}], [_TOOL],
-         {"add_generation_prompt": True}),
-        ([system, user, {"role": "assistant", "content": " The answer is"}], None,
-         {"add_generation_prompt": False, "continue_final_message": True}),
+        (
+            [
+                system,
+                user,
+                {"role": "assistant", "content": "", "tool_calls": [_CALL]},
+                {"role": "tool", "content": " 18 C, clear ", "tool_call_id": "call_1"},
+            ],
+            [_TOOL],
+            {"add_generation_prompt": True},
+        ),
+        (
+            [system, user, {"role": "assistant", "content": " The answer is"}],
+            None,
+            {"add_generation_prompt": False, "continue_final_message": True},
+        ),
     ]
 
 
@@ -61,8 +76,10 @@ def check_segments(tokenizer, backend) -> str | None:
             pieces = encoder.encode(text, None)
             if pieces != whole:
                 at = next((i for i, (a, b) in enumerate(zip(pieces, whole)) if a != b), min(len(pieces), len(whole)))
-                return (f"sample conversation {number} ({attempt}): piece-wise ids differ from whole-prompt ids at "
-                        f"token {at} of {len(whole)}")
+                return (
+                    f"sample conversation {number} ({attempt}): piece-wise ids differ from whole-prompt ids at "
+                    f"token {at} of {len(whole)}"
+                )
     if not rendered_any:
         return "the chat template rendered none of the sample conversations"
     return None

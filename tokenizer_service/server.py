@@ -23,7 +23,8 @@ from typing import Callable
 import uvicorn
 import uvloop
 
-from radixserve.config import ModelConfig, ServerArgs
+from radixserve.config import ServerArgs
+from radixserve.model_config import ModelConfig
 from radixserve.runtime.ipc import Endpoints
 from radixserve.tokenizer_loading import load_tokenizer
 from tokenizer_service.app import ServingContext, build_app
@@ -64,15 +65,34 @@ async def _serve(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_read
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     model_name = args.served_model_name or Path(model_dir).name
     metrics = ServerMetrics(model_name)
-    manager = RequestManager(tokenizer, endpoints, metrics, max_in_flight=args.max_queued_requests,
-                             max_per_request=args.max_sequences_per_request)
-    ctx = ServingContext(args=args, model_dir=str(model_dir), model_name=model_name, model_config=model_config,
-                         context_len=model_config.context_len(args.context_length), tokenizer=tokenizer,
-                         manager=manager, metrics=metrics, started_at=int(time.time()))
+    manager = RequestManager(
+        tokenizer,
+        endpoints,
+        metrics,
+        max_in_flight=args.max_queued_requests,
+        max_per_request=args.max_sequences_per_request,
+    )
+    ctx = ServingContext(
+        args=args,
+        model_dir=str(model_dir),
+        model_name=model_name,
+        model_config=model_config,
+        context_len=model_config.context_len(args.context_length),
+        tokenizer=tokenizer,
+        manager=manager,
+        metrics=metrics,
+        started_at=int(time.time()),
+    )
     app = build_app(ctx)
-    config = uvicorn.Config(app, http=protocol_class(args.max_header_bytes), lifespan="off", access_log=False,
-                            log_level=args.log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-                            timeout_keep_alive=30)
+    config = uvicorn.Config(
+        app,
+        http=protocol_class(args.max_header_bytes),
+        lifespan="off",
+        access_log=False,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=30,
+    )
     server = _Server(config)
     sock = _bind(args.host, args.port)
 

@@ -16,15 +16,16 @@ from typing import Any
 from fastapi import Request
 from pydantic import ValidationError
 
-from radixserve.config import ModelConfig, ServerArgs
+from radixserve.config import ServerArgs
+from radixserve.model_config import ModelConfig
 from radixserve.request_validation import check_prompt_ids, check_request, default_max_new_tokens
 from radixserve.sampling import SamplingParams
 from tokenizer_service.errors import RequestError, error_for_status
 from tokenizer_service.metrics import ServerMetrics
 from tokenizer_service.openai_schema import openai_error_from_validation
 from tokenizer_service.reasoning import ReasoningParser
-from tokenizer_service.request_manager import (EngineOverloaded, EngineUnavailable, RequestGroup, RequestManager,
-                                               TooManySequences)
+from tokenizer_service.request_group import RequestGroup
+from tokenizer_service.request_manager import EngineOverloaded, EngineUnavailable, RequestManager, TooManySequences
 from tokenizer_service.streaming import abort_on_disconnect, first_error
 from tokenizer_service.structured_outputs import GrammarCheck
 from tokenizer_service.tokenization import Tokenization
@@ -35,6 +36,7 @@ RETRY_AFTER_S = 1
 @dataclass
 class ServingContext:
     """What every route needs: the model's shape, the tokenizer and the request manager."""
+
     args: ServerArgs
     model_dir: str
     model_name: str
@@ -49,9 +51,13 @@ class ServingContext:
     def __post_init__(self):
         tokenizer = self.tokenizer
         # Compiles each request's grammar before admission (a bad one is a 400); see structured_outputs.py.
-        self.grammar_check = GrammarCheck(self.args.grammar_backend, self.tokenizer, self.vocab_size,
-                                          self.model_config.eos_token_ids,
-                                          unroll_bounded_strings=not self.args.disable_grammar_string_unrolling)
+        self.grammar_check = GrammarCheck(
+            self.args.grammar_backend,
+            self.tokenizer,
+            self.vocab_size,
+            self.model_config.eos_token_ids,
+            unroll_bounded_strings=not self.args.disable_grammar_string_unrolling,
+        )
         if self.tokenization is None:
             cache_mib = 0 if self.args.disable_chat_segment_cache else self.args.chat_segment_cache_mib
             self.tokenization = Tokenization(tokenizer, self.context_len, self.args.tokenizer_workers, cache_mib)
@@ -66,8 +72,9 @@ class ServingContext:
 
         self.token_text = token_text
         # --reasoning-parser: chat replies' <think> blocks split off as reasoning_content (reasoning.py)
-        self.reasoning = ReasoningParser(self.args.reasoning_parser, tokenizer, token_text) \
-            if self.args.reasoning_parser else None
+        self.reasoning = (
+            ReasoningParser(self.args.reasoning_parser, tokenizer, token_text) if self.args.reasoning_parser else None
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -85,12 +92,12 @@ async def parse_body(request: Request, model):
 
 def check_model(ctx: ServingContext, model: str | None) -> None:
     if model is not None and model != ctx.model_name:
-        raise RequestError(f"The model `{model}` does not exist.", status=404, type="not_found_error",
-                           param="model")
+        raise RequestError(f"The model `{model}` does not exist.", status=404, type="not_found_error", param="model")
 
 
-def build_prompts(ctx: ServingContext, fields: dict, prompts: list[list[int]],
-                  param: str = "prompt") -> list[tuple[list[int], SamplingParams]]:
+def build_prompts(
+    ctx: ServingContext, fields: dict, prompts: list[list[int]], param: str = "prompt"
+) -> list[tuple[list[int], SamplingParams]]:
     """Each prompt with its SamplingParams, validated (radixserve.request_validation, the checks Engine runs too);
     max_new_tokens None means the rest of the context."""
     out = []
@@ -100,28 +107,42 @@ def build_prompts(ctx: ServingContext, fields: dict, prompts: list[list[int]],
         if max_new_tokens is None:
             max_new_tokens = default_max_new_tokens(len(ids), ctx.context_len)
         params = SamplingParams(**{**fields, "max_new_tokens": max_new_tokens})
-        out.append((check_request(ids, params, ctx.vocab_size, ctx.context_len, param,
-                                  ctx.manager.kv_pool_tokens), params))
+        out.append(
+            (check_request(ids, params, ctx.vocab_size, ctx.context_len, param, ctx.manager.kv_pool_tokens), params)
+        )
     return out
 
 
 def check_cache_salt(ctx: ServingContext, cache_salt: str | None) -> None:
     """--require-cache-salt: every request names its tenant's cache namespace."""
     if cache_salt is None and ctx.args.require_cache_salt:
-        raise RequestError("This server requires a cache_salt on every request (--require-cache-salt): the cached "
-                           "prompts of different tenants are kept apart by it.", param="cache_salt")
+        raise RequestError(
+            "This server requires a cache_salt on every request (--require-cache-salt): the cached "
+            "prompts of different tenants are kept apart by it.",
+            param="cache_salt",
+        )
 
 
 def check_priority(ctx: ServingContext, priority: int) -> None:
     """A priority means something only with --enable-priority-scheduling; without it a non-zero one is refused
     rather than silently ignored, as vLLM refuses it."""
     if priority != 0 and not ctx.args.enable_priority_scheduling:
-        raise RequestError(f"Got priority {priority}, but priority scheduling is not enabled on this server "
-                           "(--enable-priority-scheduling).", param="priority")
+        raise RequestError(
+            f"Got priority {priority}, but priority scheduling is not enabled on this server "
+            "(--enable-priority-scheduling).",
+            param="priority",
+        )
 
 
-def submit(ctx: ServingContext, request_id: str, prompts, n: int, arrival: float,
-           cache_salt: str | None = None, priority: int = 0) -> RequestGroup:
+def submit(
+    ctx: ServingContext,
+    request_id: str,
+    prompts,
+    n: int,
+    arrival: float,
+    cache_salt: str | None = None,
+    priority: int = 0,
+) -> RequestGroup:
     check_cache_salt(ctx, cache_salt)
     check_priority(ctx, priority)
     try:
@@ -129,8 +150,9 @@ def submit(ctx: ServingContext, request_id: str, prompts, n: int, arrival: float
     except TooManySequences as e:
         raise RequestError(str(e), param="n") from None
     except EngineOverloaded as e:
-        raise RequestError(str(e), status=503, type="service_unavailable_error",
-                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        raise RequestError(
+            str(e), status=503, type="service_unavailable_error", headers={"Retry-After": str(RETRY_AFTER_S)}
+        ) from None
     except EngineUnavailable as e:
         raise error_for_status(str(e), 503) from None
 

@@ -16,9 +16,10 @@ from typing import Any, AsyncIterator, Callable
 import msgspec
 from starlette.responses import Response
 
+from radixserve.request_pipeline import SequenceOutput
 from tokenizer_service import openai_responses as R
 from tokenizer_service.errors import RequestError, error_for_status
-from tokenizer_service.request_manager import RequestGroup, Sequence, SequenceOutput, Usage
+from tokenizer_service.request_group import RequestGroup, Sequence, Usage
 
 logger = logging.getLogger(__name__)
 
@@ -60,9 +61,17 @@ class EventStreamResponse(Response):
         self.events, self.group = events, group
 
     async def __call__(self, scope, receive, send):
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                                (b"x-accel-buffering", b"no")]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-type", b"text/event-stream; charset=utf-8"),
+                    (b"cache-control", b"no-cache"),
+                    (b"x-accel-buffering", b"no"),
+                ],
+            }
+        )
         async with abort_on_disconnect(receive, self.group):
             try:
                 async for event in self.events:
@@ -78,9 +87,17 @@ def merge_outputs(batch: list[SequenceOutput]) -> list[SequenceOutput]:
     for out in batch:
         into = merged.get(out.index)
         if into is None:
-            merged[out.index] = SequenceOutput(out.index, out.text, list(out.token_ids), list(out.logprobs),
-                                               out.finished, out.finish_reason, out.matched_stop, out.error,
-                                               out.error_status)
+            merged[out.index] = SequenceOutput(
+                out.index,
+                out.text,
+                list(out.token_ids),
+                list(out.logprobs),
+                out.finished,
+                out.finish_reason,
+                out.matched_stop,
+                out.error,
+                out.error_status,
+            )
             continue
         into.text += out.text
         into.token_ids += out.token_ids
@@ -117,8 +134,14 @@ class OpenAIStream:
     """What differs between a /v1/completions stream and a /v1/chat/completions stream: how one choice's new
     output becomes a chunk, what comes before the first token, and the usage chunk."""
 
-    def __init__(self, chat: bool, token_text: Callable[[int], str], tools=None,
-                 echo_texts: list[str] | None = None, continuous_usage: bool = False):
+    def __init__(
+        self,
+        chat: bool,
+        token_text: Callable[[int], str],
+        tools=None,
+        echo_texts: list[str] | None = None,
+        continuous_usage: bool = False,
+    ):
         """echo_texts (completions with echo): each prompt's text, by prompt index, sent before its choices' first
         tokens; for chat, the pre-filled start of the reply, sent as its own delta after the role. continuous_usage:
         every chunk carries its choice's usage so far (vLLM's continuous_usage_stats)."""
@@ -139,16 +162,40 @@ class OpenAIStream:
         # of the reply (vLLM's order).
         if not self.chat:
             return []
-        chunks = [R.chat_chunk(request_id, created, model, seq.index, {"role": "assistant", "content": ""}, None,
-                               None, include_usage, usage=self.choice_usage(seq)) for seq in group.sequences]
+        chunks = [
+            R.chat_chunk(
+                request_id,
+                created,
+                model,
+                seq.index,
+                {"role": "assistant", "content": ""},
+                None,
+                None,
+                include_usage,
+                usage=self.choice_usage(seq),
+            )
+            for seq in group.sequences
+        ]
         if self.echo_texts:
-            chunks += [R.chat_chunk(request_id, created, model, seq.index,
-                                    {"content": self.echo_texts[seq.prompt_index]}, None, None, include_usage,
-                                    usage=self.choice_usage(seq)) for seq in group.sequences]
+            chunks += [
+                R.chat_chunk(
+                    request_id,
+                    created,
+                    model,
+                    seq.index,
+                    {"content": self.echo_texts[seq.prompt_index]},
+                    None,
+                    None,
+                    include_usage,
+                    usage=self.choice_usage(seq),
+                )
+                for seq in group.sequences
+            ]
         return chunks
 
-    def chunk(self, request_id, created, model, out: SequenceOutput, seq: Sequence, want_logprobs: bool,
-              include_usage: bool) -> dict:
+    def chunk(
+        self, request_id, created, model, out: SequenceOutput, seq: Sequence, want_logprobs: bool, include_usage: bool
+    ) -> dict:
         stop_reason = out.matched_stop if out.finished else None
         usage = self.choice_usage(seq)
         if self.chat:
@@ -157,8 +204,9 @@ class OpenAIStream:
             finish_reason = out.finish_reason
             if self.tools is not None:
                 delta, finish_reason = self.tools.stream_delta(out.index, out.text, out.finished, out.finish_reason)
-            return R.chat_chunk(request_id, created, model, out.index, delta, finish_reason, logprobs,
-                                include_usage, stop_reason, usage)
+            return R.chat_chunk(
+                request_id, created, model, out.index, delta, finish_reason, logprobs, include_usage, stop_reason, usage
+            )
         echo = None
         if self.echo_texts is not None and out.index not in self._echoed:
             # The first chunk of a choice: its prompt logprobs came with its first token, before this chunk.
@@ -170,16 +218,24 @@ class OpenAIStream:
             logprobs = R.echoed_logprobs(echo, out.token_ids, out.logprobs, self.token_text, offset)
             self._text_offsets[out.index] = offset + sum(len(t) for t in logprobs["tokens"])
         text = out.text if echo is None else echo.text + out.text
-        return R.completion_chunk(request_id, created, model, out.index, text, out.finish_reason, logprobs,
-                                  include_usage, stop_reason, usage)
+        return R.completion_chunk(
+            request_id, created, model, out.index, text, out.finish_reason, logprobs, include_usage, stop_reason, usage
+        )
 
     def usage_chunk(self, request_id, created, model, group: RequestGroup) -> dict:
         usage_chunk = R.chat_usage_chunk if self.chat else R.completion_usage_chunk
         return usage_chunk(request_id, created, model, group.usage())
 
 
-async def openai_events(stream: OpenAIStream, group: RequestGroup, request_id: str, created: int, model: str,
-                        want_logprobs: bool, include_usage: bool) -> AsyncIterator[bytes]:
+async def openai_events(
+    stream: OpenAIStream,
+    group: RequestGroup,
+    request_id: str,
+    created: int,
+    model: str,
+    want_logprobs: bool,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
     by_index = {seq.index: seq for seq in group.sequences}
     for chunk in stream.preamble(request_id, created, model, group, include_usage):
         yield sse(chunk)
@@ -198,8 +254,9 @@ async def openai_events(stream: OpenAIStream, group: RequestGroup, request_id: s
 # ------------------------------------------------------------------------------------------- native
 
 
-async def generate_events(group: RequestGroup, request_id: str, arrival: float,
-                          want_logprobs: bool) -> AsyncIterator[bytes]:
+async def generate_events(
+    group: RequestGroup, request_id: str, arrival: float, want_logprobs: bool
+) -> AsyncIterator[bytes]:
     """SGLang's /generate stream: every chunk carries the cumulative text and output_ids of its choice."""
     by_index = {s.index: s for s in group.sequences}
     text = {i: "" for i in by_index}
@@ -218,8 +275,18 @@ async def generate_events(group: RequestGroup, request_id: str, arrival: float,
         if not (out.text or out.finished or out.token_ids):
             continue
         seq = by_index[i]
-        yield sse(R.native_result(request_id, i, text[i], ids[i], out.finish_reason, out.matched_stop,
-                                  len(seq.prompt_ids), seq.cached_tokens,
-                                  logprobs[i] if want_logprobs else None,
-                                  time.monotonic() - arrival if out.finished else None))
+        yield sse(
+            R.native_result(
+                request_id,
+                i,
+                text[i],
+                ids[i],
+                out.finish_reason,
+                out.matched_stop,
+                len(seq.prompt_ids),
+                seq.cached_tokens,
+                logprobs[i] if want_logprobs else None,
+                time.monotonic() - arrival if out.finished else None,
+            )
+        )
     yield SSE_DONE

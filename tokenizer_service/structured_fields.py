@@ -72,11 +72,19 @@ class StructuredOutputFields(_LogitBiasField):
 
     @model_validator(mode="after")
     def _one_grammar(self):
-        given = [name for name, on in (("response_format", self._format_schema() is not None),
-                                       ("regex", self.regex is not None), ("ebnf", self.ebnf is not None)) if on]
+        given = [
+            name
+            for name, on in (
+                ("response_format", self._format_schema() is not None),
+                ("regex", self.regex is not None),
+                ("ebnf", self.ebnf is not None),
+            )
+            if on
+        ]
         if len(given) > 1:
-            raise ValueError("only one of response_format (json), regex and ebnf may be given, "
-                             f"got {' and '.join(given)}")
+            raise ValueError(
+                f"only one of response_format (json), regex and ebnf may be given, got {' and '.join(given)}"
+            )
         return self
 
     def _format_schema(self) -> str | None:
@@ -117,6 +125,7 @@ class FunctionCall(_Fields):
 
 class AssistantToolCall(_Fields):
     """A tool call of an earlier assistant message in the history."""
+
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -147,8 +156,10 @@ class ChatStructuredFields(StructuredOutputFields, ToolFields):
     def _one_constraint(self):
         forced = self.tools and self.tool_choice_resolved.mode in ("required", "named")
         if forced and (self._format_schema() is not None or self.regex is not None or self.ebnf is not None):
-            raise ValueError("tool_choice 'required' or a named function cannot be combined with response_format "
-                             "(json), regex or ebnf")
+            raise ValueError(
+                "tool_choice 'required' or a named function cannot be combined with response_format "
+                "(json), regex or ebnf"
+            )
         return self
 
 

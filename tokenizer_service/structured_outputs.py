@@ -16,8 +16,16 @@ from radixserve.grammar import GRAMMAR_KINDS, GrammarCompiler, GrammarError
 from radixserve.sampling import SamplingParams
 from tokenizer_service.errors import RequestError
 from tokenizer_service.structured_fields import ToolFields
-from tokenizer_service.tool_calls import (ParsedReply, ToolCallStreamer, ToolChoice, make_streamer, parse_reply,
-                                          render_messages, resolve_parser_name, template_supports_tools)
+from tokenizer_service.tool_calls import (
+    ParsedReply,
+    ToolCallStreamer,
+    ToolChoice,
+    make_streamer,
+    parse_reply,
+    render_messages,
+    resolve_parser_name,
+    template_supports_tools,
+)
 
 
 class GrammarCheck:
@@ -27,8 +35,9 @@ class GrammarCheck:
     The compiler (and with it xgrammar and torch) is created on the first constrained request. Compilation runs in a
     worker thread so that a large schema does not stall the event loop; compiled grammars are cached by spec."""
 
-    def __init__(self, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int],
-                 unroll_bounded_strings: bool = True):
+    def __init__(
+        self, backend: str, tokenizer, vocab_size: int, stop_token_ids: list[int], unroll_bounded_strings: bool = True
+    ):
         self.backend, self.tokenizer = backend, tokenizer
         self.unroll_bounded_strings = unroll_bounded_strings  # off: --disable-grammar-string-unrolling
         self.vocab_size, self.stop_token_ids = vocab_size, list(stop_token_ids)
@@ -40,8 +49,12 @@ class GrammarCheck:
             if self._compiler is None:
                 # Its own copy of the tokenizer: the HF fast tokenizer is not safe to share across threads, and the
                 # event loop keeps using the server's.
-                self._compiler = GrammarCompiler(copy.deepcopy(self.tokenizer), self.vocab_size, self.stop_token_ids,
-                                                 unroll_bounded_strings=self.unroll_bounded_strings)
+                self._compiler = GrammarCompiler(
+                    copy.deepcopy(self.tokenizer),
+                    self.vocab_size,
+                    self.stop_token_ids,
+                    unroll_bounded_strings=self.unroll_bounded_strings,
+                )
         self._compiler.check(spec)
 
     async def check(self, fields: dict) -> None:
@@ -51,8 +64,11 @@ class GrammarCheck:
             return
         param = {"json_schema": "response_format"}.get(spec[0], spec[0])
         if self.backend == "none":
-            raise RequestError("structured outputs (response_format, regex, ebnf, tool_choice required or named) "
-                               "are turned off on this server (--grammar-backend none)", param=param)
+            raise RequestError(
+                "structured outputs (response_format, regex, ebnf, tool_choice required or named) "
+                "are turned off on this server (--grammar-backend none)",
+                param=param,
+            )
         try:
             await asyncio.to_thread(self._compile, spec)
         except GrammarError as e:
@@ -126,8 +142,9 @@ def merge_deltas(deltas: list[dict]) -> dict:
             if entry is None:
                 calls[piece["index"]] = {**piece, "function": dict(piece["function"])}
             else:
-                entry["function"]["arguments"] = entry["function"].get("arguments", "") + \
-                    piece["function"].get("arguments", "")
+                entry["function"]["arguments"] = entry["function"].get("arguments", "") + piece["function"].get(
+                    "arguments", ""
+                )
     merged: dict = {"content": content} if content else {}
     if calls:
         merged["tool_calls"] = [calls[i] for i in sorted(calls)]

@@ -104,7 +104,8 @@ class Tokenization:
                 f"This model's maximum context length is {self.context_len} tokens. However, your {param} has "
                 f"{chars} characters, more than {self.context_len} tokens can hold (no token of this model spans "
                 f"more than {self.max_token_chars} characters). Please reduce the length of the {param}.",
-                param=param)
+                param=param,
+            )
 
     # ------------------------------------------------------------------------------------------ prompts
 
@@ -139,16 +140,25 @@ class Tokenization:
         """Token ids as text (/v1/detokenize), special tokens included, as vLLM decodes them."""
         return await self._run(self._decode, ids)
 
-    def _render_chat(self, messages: list[dict], add_generation_prompt: bool, options: dict,
-                     namespace: str | None = None) -> list[int]:
+    def _render_chat(
+        self, messages: list[dict], add_generation_prompt: bool, options: dict, namespace: str | None = None
+    ) -> list[int]:
         tokenizer = self._thread_tokenizer()
         try:
             if self._backend is None:
-                return list(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                          tokenize=True, return_dict=False, **options))
+                return list(
+                    tokenizer.apply_chat_template(
+                        messages,
+                        add_generation_prompt=add_generation_prompt,
+                        tokenize=True,
+                        return_dict=False,
+                        **options,
+                    )
+                )
             # What apply_chat_template(tokenize=True) does, without the HF wrapper's encode (see the module doc).
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=False, **options)
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **options
+            )
             if self.segments is not None:
                 return self.segments.encode(text, namespace)
             return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
@@ -168,8 +178,9 @@ class Tokenization:
         add_generation_prompt = options.pop("add_generation_prompt", req.add_generation_prompt)
         if req.continue_final_message:
             if add_generation_prompt:  # a new turn's header after an open final message: no template means that
-                raise RequestError("continue_final_message needs add_generation_prompt to be false",
-                                   param="continue_final_message")
+                raise RequestError(
+                    "continue_final_message needs add_generation_prompt to be false", param="continue_final_message"
+                )
             options["continue_final_message"] = True
         namespace = getattr(req, "cache_salt", None)
         return await self._run(self._render_chat, messages, add_generation_prompt, options, namespace)

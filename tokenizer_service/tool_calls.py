@@ -99,11 +99,16 @@ def tool_choice_schema(choice: ToolChoice, tools: list[dict], parallel_tool_call
         return json.dumps(_parameters(tool))
     if choice.mode != "required":
         return None
-    one_call = {"anyOf": [
-        {"type": "object", "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
-         "required": ["name", "parameters"]}
-        for t in tools
-    ]}
+    one_call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": t["function"]["name"]}, "parameters": _parameters(t)},
+                "required": ["name", "parameters"],
+            }
+            for t in tools
+        ]
+    }
     schema = {"type": "array", "items": one_call, "minItems": 1}
     if not parallel_tool_calls:
         schema["maxItems"] = 1
@@ -151,13 +156,20 @@ def render_messages(messages: list[dict], tools: list[dict] | None, chat_templat
         if calls and native:
             message["tool_calls"] = [
                 {**c, "function": {**c["function"], "arguments": _arguments_object(c["function"].get("arguments"))}}
-                for c in calls]
+                for c in calls
+            ]
         elif calls:
             text = "\n".join(
-                QWEN_START + "\n" + json.dumps({"name": c["function"]["name"],
-                                                 "arguments": _arguments_object(c["function"].get("arguments"))},
-                                                ensure_ascii=False) + "\n" + QWEN_END
-                for c in calls)
+                QWEN_START
+                + "\n"
+                + json.dumps(
+                    {"name": c["function"]["name"], "arguments": _arguments_object(c["function"].get("arguments"))},
+                    ensure_ascii=False,
+                )
+                + "\n"
+                + QWEN_END
+                for c in calls
+            )
             message["content"] = (message.get("content") or "") + ("\n" if message.get("content") else "") + text
         if message.get("content") is None:
             message["content"] = ""  # templates concatenate content as a string
@@ -203,8 +215,11 @@ def _json_values(text: str) -> list[Any] | None:
 def _call_delta(index: int, call: ToolCall) -> list[dict]:
     # OpenAI streams a call as a first delta with its id and name, then its arguments in pieces; ours is one piece.
     return [
-        {"tool_calls": [{"index": index, "id": call.id, "type": "function",
-                         "function": {"name": call.name, "arguments": ""}}]},
+        {
+            "tool_calls": [
+                {"index": index, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}
+            ]
+        },
         {"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]},
     ]
 
@@ -253,20 +268,26 @@ class TaggedStreamer(ToolCallStreamer):
                 if pos < 0:
                     return out
                 out += self._close_block(self._buffer[:pos])
-                self._buffer = self._buffer[pos + len(self.end):]
+                self._buffer = self._buffer[pos + len(self.end) :]
                 self._in_call = False
                 continue
             pos = self._buffer.find(self.start)
             if pos >= 0:
                 if not self.calls:
                     out += self._emit_content(self._buffer[:pos])
-                self._buffer = self._buffer[pos + len(self.start):]
+                self._buffer = self._buffer[pos + len(self.start) :]
                 self._in_call = True
                 continue
             # Hold back a tail that may be the start of a tag split across pieces.
-            keep = next((k for k in range(min(len(self.start) - 1, len(self._buffer)), 0, -1)
-                         if self.start.startswith(self._buffer[-k:])), 0)
-            ready, self._buffer = self._buffer[:len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+            keep = next(
+                (
+                    k
+                    for k in range(min(len(self.start) - 1, len(self._buffer)), 0, -1)
+                    if self.start.startswith(self._buffer[-k:])
+                ),
+                0,
+            )
+            ready, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep :]
             if not self.calls:
                 out += self._emit_content(ready)
             return out
@@ -339,8 +360,11 @@ class ForcedStreamer(JsonStreamer):
                 arguments = json.loads(text)
             except json.JSONDecodeError:
                 return None
-            return [ToolCall(self.choice.name, json.dumps(arguments, ensure_ascii=False))] \
-                if isinstance(arguments, dict) else None
+            return (
+                [ToolCall(self.choice.name, json.dumps(arguments, ensure_ascii=False))]
+                if isinstance(arguments, dict)
+                else None
+            )
         return JsonStreamer._parse_calls(text)
 
 

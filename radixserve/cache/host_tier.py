@@ -49,8 +49,14 @@ _EMPTY = np.zeros(0, dtype=np.int32)
 
 
 class HostTier:
-    def __init__(self, device_tree: RadixCache, device_allocator: TokenSlotAllocator, capacity_tokens: int,
-                 min_load_tokens: int = MIN_LOAD_TOKENS, disable: bool = False):
+    def __init__(
+        self,
+        device_tree: RadixCache,
+        device_allocator: TokenSlotAllocator,
+        capacity_tokens: int,
+        min_load_tokens: int = MIN_LOAD_TOKENS,
+        disable: bool = False,
+    ):
         self.device_tree = device_tree
         self.device_allocator = device_allocator
         self.allocator = TokenSlotAllocator(capacity_tokens)
@@ -87,7 +93,7 @@ class HostTier:
             return
         leaf_start = len(path_tokens) - len(slots)
         if have >= leaf_start:
-            source = slots[have - leaf_start:]
+            source = slots[have - leaf_start :]
         else:  # the leaf's ancestors are missing here too: they are still in the device tree
             above = self.device_tree.peek_slots(path_tokens[:leaf_start], namespace)
             source = np.concatenate([above[have:], slots])
@@ -95,10 +101,11 @@ class HostTier:
         if host_slots is None:
             return
         # A full host keeps what fits: a shorter prefix of the path is still a valid prefix.
-        source = source[:len(host_slots)]
+        source = source[: len(host_slots)]
         self._saves.append((source, host_slots))
-        self.tree.insert(path_tokens[:have + len(host_slots)], np.concatenate([held.slots, host_slots]),
-                         namespace=namespace)
+        self.tree.insert(
+            path_tokens[: have + len(host_slots)], np.concatenate([held.slots, host_slots]), namespace=namespace
+        )
         self.saved_tokens += len(host_slots)
 
     def _alloc_host(self, n: int, held: MatchResult) -> np.ndarray | None:
@@ -115,8 +122,9 @@ class HostTier:
 
     # ---------------------------------------------------------------- host -> device
 
-    def load(self, tokens, device_match: MatchResult, namespace: str | None = None, priority: int = 0,
-             reserve: int = 0) -> MatchResult:
+    def load(
+        self, tokens, device_match: MatchResult, namespace: str | None = None, priority: int = 0, reserve: int = 0
+    ) -> MatchResult:
         """Admission: if this tree holds a longer prefix of `tokens` than device_match (by min_load_tokens or more),
         copy the difference to new device slots, insert it into the device tree and return the longer device
         match; else device_match. `reserve` device slots already promised to this step stay free."""
@@ -135,8 +143,9 @@ class HostTier:
         self._locked_for_loads.append(held.last_node)
         self._loads.append((held.slots[on_device:], device_slots))
         end = on_device + extra
-        self.device_tree.insert(tokens[:end], np.concatenate([device_match.slots, device_slots]),
-                                namespace=namespace, priority=priority)
+        self.device_tree.insert(
+            tokens[:end], np.concatenate([device_match.slots, device_slots]), namespace=namespace, priority=priority
+        )
         self.hits += 1
         self.loaded_tokens += extra
         return self.device_tree.match_prefix(tokens, namespace=namespace, priority=priority)
@@ -194,8 +203,10 @@ class HostTier:
         (separate from the device pool's invariant)."""
         free, held = self.allocator.num_free, self.tree.total_size()
         if free + held + owned != self.capacity_tokens:
-            raise AssertionError(f"host KV slot leak: free {free} + held {held} + owned by long requests {owned} != "
-                                 f"capacity {self.capacity_tokens}")
+            raise AssertionError(
+                f"host KV slot leak: free {free} + held {held} + owned by long requests {owned} != "
+                f"capacity {self.capacity_tokens}"
+            )
         if not self._locked_for_loads and not long_running and self.tree.locked_size:
             raise AssertionError(f"{self.tree.locked_size} host tokens locked with no load queued nor long request")
         if walk_tree:
@@ -214,4 +225,3 @@ def _last_writes(copies: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarra
         return src, dst
     keep = np.sort(len(dst) - 1 - first_in_reversed)
     return src[keep], dst[keep]
-

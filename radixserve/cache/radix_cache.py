@@ -29,8 +29,7 @@ from radixserve.cache import tree_inspection
 from radixserve.cache.eviction_policy import EvictableLeaves
 from radixserve.cache.pins import PinInfo, PinRegistry
 from radixserve.cache.slot_allocator import TokenSlotAllocator
-from radixserve.cache.tree_node import (EMPTY, MatchResult, TreeNode, common_prefix_len, path_tokens, split_node,
-                                        subtree)
+from radixserve.cache.tree_node import EMPTY, MatchResult, TreeNode, common_prefix_len, path_tokens, split_node, subtree
 
 
 class RadixCache:
@@ -64,10 +63,10 @@ class RadixCache:
         self.locked_size = 0
         self.pinned_size = 0
 
-
     @property
     def eviction_policy(self) -> str:
         return self._leaves.policy
+
     def _root(self, namespace: str | None, create: bool = True) -> TreeNode:
         """The namespace's root; without create, a detached empty one when the namespace holds nothing (so a
         stream of lookups with new salts leaves nothing behind)."""
@@ -98,8 +97,9 @@ class RadixCache:
             raise ValueError("peek_slots: the tokens do not end on a node boundary")
         return np.concatenate(parts) if parts else EMPTY.copy()
 
-    def match_prefix(self, tokens, namespace: str | None = None, priority: int = 0, *,
-                     record_hit: bool = True) -> MatchResult:
+    def match_prefix(
+        self, tokens, namespace: str | None = None, priority: int = 0, *, record_hit: bool = True
+    ) -> MatchResult:
         """Longest prefix of `tokens` cached in `namespace` and its slots; touches the path for the eviction policy
         (record_hit=False for a look that is not a request using the prefix: hit counts stay unchanged).
 

@@ -34,10 +34,17 @@ def largest_prefixes(cache: RadixCache, k: int) -> list[dict]:
                 if len(child.children) != 1 or child in pin_ends:
                     ends.append((d, child.id, child))
                 stack.append((child, d))
-    return [{"tokens": path_tokens(node)[:PREFIX_PREVIEW_TOKENS].tolist(), "num_tokens": d,
-             "hits": node.hit_count, "last_use": node.last_use_time, "pinned": node.pin_ref > 0,
-             "namespace": node.namespace}
-            for d, _, node in heapq.nlargest(k, ends)]
+    return [
+        {
+            "tokens": path_tokens(node)[:PREFIX_PREVIEW_TOKENS].tolist(),
+            "num_tokens": d,
+            "hits": node.hit_count,
+            "last_use": node.last_use_time,
+            "pinned": node.pin_ref > 0,
+            "namespace": node.namespace,
+        }
+        for d, _, node in heapq.nlargest(k, ends)
+    ]
 
 
 def check_invariants(cache: RadixCache) -> None:
@@ -45,7 +52,8 @@ def check_invariants(cache: RadixCache) -> None:
     assert cache._roots.get(None) is cache.root, "the default namespace lost its root"
     for ns, root in cache._roots.items():
         assert root.parent is None and root.namespace == ns and root.lock_ref == 1 and root.pin_ref == 0, (
-            f"root of namespace {ns!r} is damaged: {root!r}")
+            f"root of namespace {ns!r} is damaged: {root!r}"
+        )
     pins_through: Counter = Counter()
     for info, node in cache._pins.entries():
         pin_id = info.id
@@ -79,7 +87,8 @@ def check_invariants(cache: RadixCache) -> None:
     kept = (cache.evictable_size, cache.protected_size, cache.locked_size, cache.pinned_size)
     assert (evictable, protected, locked, pinned) == kept, (
         f"sizes drifted: counted evictable/protected/locked/pinned={evictable}/{protected}/{locked}/{pinned}, "
-        f"kept {'/'.join(map(str, kept))}")
+        f"kept {'/'.join(map(str, kept))}"
+    )
     all_slots = np.concatenate(slots) if slots else EMPTY
     assert len(np.unique(all_slots)) == len(all_slots), "a KV slot is cached under two tokens"
     assert leaves == set(cache._leaves), "evictable-leaf set out of sync with the tree"

@@ -13,8 +13,20 @@ EMPTY = np.zeros(0, dtype=np.int32)  # the key and value of every root; what a m
 
 
 class TreeNode:
-    __slots__ = ("key", "value", "children", "parent", "namespace", "lock_ref", "pin_ref", "last_access",
-                 "last_use_time", "hit_count", "priority", "id")
+    __slots__ = (
+        "key",
+        "value",
+        "children",
+        "parent",
+        "namespace",
+        "lock_ref",
+        "pin_ref",
+        "last_access",
+        "last_use_time",
+        "hit_count",
+        "priority",
+        "id",
+    )
 
     _ids = itertools.count()
 
@@ -36,8 +48,10 @@ class TreeNode:
         return len(self.key)
 
     def __repr__(self) -> str:
-        return (f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, pin_ref={self.pin_ref}, "
-                f"children={len(self.children)})")
+        return (
+            f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref}, pin_ref={self.pin_ref}, "
+            f"children={len(self.children)})"
+        )
 
 
 class MatchResult(NamedTuple):

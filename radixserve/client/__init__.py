@@ -11,7 +11,8 @@ print(reply.text)
 `AsyncClient` has the same methods as coroutines; its streaming methods return async iterators.
 
 The package: `sync_client.py` (`Client`), `async_client.py` (`AsyncClient`), `shared.py` (what both build the same
-way: address, key, timeouts, each route's path and body), `results.py` (what they return and raise).
+way: address, key, timeouts, each route's path and body), `results.py` (what they return), `errors.py` (what they
+raise).
 
 Structured replies and tools: `response_format` ({"type": "json_object"}, or {"type": "json_schema", "json_schema":
 {"name": ..., "schema": {...}}}) on chat and completions, `tools` and `tool_choice` on chat. The functions called
@@ -32,14 +33,38 @@ Errors:
 """
 
 from radixserve.client.async_client import AsyncClient
-from radixserve.client.results import (AsyncStream, ChatResult, Choice, CompletionResult, GenerateResult, Model,
-                                       RadixServeConnectionError, RadixServeError, RadixServeTimeoutError, Stream,
-                                       StreamChunk, ToolCall, Usage, tool_calls_from_deltas)
+from radixserve.client.errors import RadixServeConnectionError, RadixServeError, RadixServeTimeoutError
+from radixserve.client.results import (
+    AsyncStream,
+    ChatResult,
+    Choice,
+    CompletionResult,
+    GenerateResult,
+    Model,
+    Stream,
+    StreamChunk,
+    ToolCall,
+    Usage,
+    tool_calls_from_deltas,
+)
 from radixserve.client.sync_client import Client
 
 # The public API: both clients and everything they return or raise.
 __all__ = [
-    "AsyncClient", "AsyncStream", "ChatResult", "Choice", "Client", "CompletionResult", "GenerateResult",
-    "Model", "RadixServeConnectionError", "RadixServeError", "RadixServeTimeoutError", "Stream", "StreamChunk",
-    "ToolCall", "Usage", "tool_calls_from_deltas",
+    "AsyncClient",
+    "AsyncStream",
+    "ChatResult",
+    "Choice",
+    "Client",
+    "CompletionResult",
+    "GenerateResult",
+    "Model",
+    "RadixServeConnectionError",
+    "RadixServeError",
+    "RadixServeTimeoutError",
+    "Stream",
+    "StreamChunk",
+    "ToolCall",
+    "Usage",
+    "tool_calls_from_deltas",
 ]

@@ -10,18 +10,33 @@ from typing import Any, AsyncIterator, Callable
 import httpx
 
 from radixserve.client.shared import DEFAULT_TIMEOUT_S, ClientBase, json_or_text
-from radixserve.client.results import (AsyncStream, ChatResult, CompletionResult, GenerateResult, Model, NativeChunks,
-                                       OpenAIChunks, RadixServeTimeoutError, StreamChunk, decode_event,
-                                       error_from_response, parse_generate_body, parse_openai, sse_data,
-                                       transport_error)
+from radixserve.client.errors import RadixServeTimeoutError, error_from_response, transport_error
+from radixserve.client.results import (
+    AsyncStream,
+    ChatResult,
+    CompletionResult,
+    GenerateResult,
+    Model,
+    NativeChunks,
+    OpenAIChunks,
+    StreamChunk,
+    decode_event,
+    parse_generate_body,
+    parse_openai,
+    sse_data,
+)
 
 
 class AsyncClient(ClientBase):
     """The asyncio twin of Client (same methods, awaited; streams are async iterators). Use `async with` or
     `await client.aclose()`."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:30000", api_key: str | None = None,
-                 timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:30000",
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT_S,
+    ):
         super().__init__(base_url, api_key, timeout)
         self._http = httpx.AsyncClient(headers=self._headers, timeout=self.timeout)
 
@@ -45,8 +60,9 @@ class AsyncClient(ClientBase):
             raise error_from_response(response)
         return response
 
-    async def _stream(self, path: str, body: dict, to_chunks: Callable[[dict], list[StreamChunk]],
-                      timeout) -> AsyncStream:
+    async def _stream(
+        self, path: str, body: dict, to_chunks: Callable[[dict], list[StreamChunk]], timeout
+    ) -> AsyncStream:
         url = self._url(path)
         request = self._http.build_request("POST", url, json=body, timeout=self._request_timeout(timeout))
         try:
@@ -81,20 +97,43 @@ class AsyncClient(ClientBase):
         return AsyncStream(chunks())
 
     # OpenAI routes --------------------------------------------------------------------------------------
-    async def chat(self, messages: list[dict], model: str | None = None, stream: bool = False, *,
-                   response_format: dict | None = None, tools: list[dict] | None = None,
-                   tool_choice: str | dict | None = None, timeout: float | httpx.Timeout | None = None,
-                   **openai_params) -> ChatResult | AsyncStream:
-        body = self._openai_body("messages", messages, model, stream, openai_params, response_format=response_format,
-                                 tools=tools, tool_choice=tool_choice)
+    async def chat(
+        self,
+        messages: list[dict],
+        model: str | None = None,
+        stream: bool = False,
+        *,
+        response_format: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        **openai_params,
+    ) -> ChatResult | AsyncStream:
+        body = self._openai_body(
+            "messages",
+            messages,
+            model,
+            stream,
+            openai_params,
+            response_format=response_format,
+            tools=tools,
+            tool_choice=tool_choice,
+        )
         if stream:
             return await self._stream("/v1/chat/completions", body, OpenAIChunks(chat=True), timeout)
         response = await self._send("POST", "/v1/chat/completions", body, timeout)
         return parse_openai(response.json(), chat=True)
 
-    async def completions(self, prompt: str | list, model: str | None = None, stream: bool = False, *,
-                          response_format: dict | None = None, timeout: float | httpx.Timeout | None = None,
-                          **openai_params) -> CompletionResult | AsyncStream:
+    async def completions(
+        self,
+        prompt: str | list,
+        model: str | None = None,
+        stream: bool = False,
+        *,
+        response_format: dict | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        **openai_params,
+    ) -> CompletionResult | AsyncStream:
         body = self._openai_body("prompt", prompt, model, stream, openai_params, response_format=response_format)
         if stream:
             return await self._stream("/v1/completions", body, OpenAIChunks(chat=False), timeout)
@@ -102,10 +141,16 @@ class AsyncClient(ClientBase):
         return parse_openai(response.json(), chat=False)
 
     # Native route ---------------------------------------------------------------------------------------
-    async def generate(self, text: str | list[str] | None = None,
-                       input_ids: list[int] | list[list[int]] | None = None, sampling_params: dict | None = None,
-                       stream: bool = False, *, timeout: float | httpx.Timeout | None = None,
-                       **extra) -> GenerateResult | list[GenerateResult] | AsyncStream:
+    async def generate(
+        self,
+        text: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        sampling_params: dict | None = None,
+        stream: bool = False,
+        *,
+        timeout: float | httpx.Timeout | None = None,
+        **extra,
+    ) -> GenerateResult | list[GenerateResult] | AsyncStream:
         body = self._generate_body(text, input_ids, sampling_params, stream, extra)
         if stream:
             return await self._stream("/generate", body, NativeChunks(), timeout)
@@ -136,9 +181,16 @@ class AsyncClient(ClientBase):
     async def flush_cache(self, drop_pins: bool = False) -> Any:
         return json_or_text(await self._send("POST", self._flush_path(drop_pins)))
 
-    async def pin_prefix(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
-                         input_ids: list[int] | None = None, *, ttl_seconds: float | None = None,
-                         cache_salt: str | None = None, timeout: float | httpx.Timeout | None = None) -> dict:
+    async def pin_prefix(
+        self,
+        messages: list[dict] | None = None,
+        prompt: str | list[int] | None = None,
+        input_ids: list[int] | None = None,
+        *,
+        ttl_seconds: float | None = None,
+        cache_salt: str | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> dict:
         body = self._pin_body(messages, prompt, input_ids, ttl_seconds, cache_salt)
         return (await self._send("POST", "/v1/cache/pin", body, timeout)).json()
 

@@ -1,6 +1,6 @@
-"""What the radixserve client returns and raises: typed results of the OpenAI and native routes, streaming chunks
-and iterators, and errors that carry the server's message. The clients themselves are in sync_client.py and
-async_client.py; the package (radixserve/client/__init__.py) exports everything public here."""
+"""What the radixserve client returns: typed results of the OpenAI and native routes, streaming chunks and
+iterators. What it raises is in errors.py; the clients themselves are in sync_client.py and async_client.py; the
+package (radixserve/client/__init__.py) exports everything public here."""
 
 from __future__ import annotations
 
@@ -8,78 +8,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Iterator
 
-import httpx
 
-# ------------------------------------------------------------------------------------------------- errors
-
-
-class RadixServeError(Exception):
-    """An error answer of the server (status_code set) or a failure to reach it (status_code None)."""
-
-    def __init__(self, status_code: int | None, message: str, type: str | None = None, param: str | None = None,
-                 code: Any = None, body: Any = None):
-        super().__init__(message)
-        self.status_code = status_code
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.body = body  # the parsed JSON (or text) of the error response
-
-    def __str__(self) -> str:
-        where = f"HTTP {self.status_code}" if self.status_code is not None else (self.type or "error")
-        extra = f" (param: {self.param})" if self.param else ""
-        return f"{where}: {self.message}{extra}"
-
-
-class RadixServeConnectionError(RadixServeError):
-    """Could not connect to the server, or the connection broke before the response was complete."""
-
-    def __init__(self, message: str):
-        super().__init__(None, message, type="connection_error")
-
-
-class RadixServeTimeoutError(RadixServeError):
-    """The server did not answer (or send the next part of a response) within the timeout."""
-
-    def __init__(self, message: str):
-        super().__init__(None, message, type="timeout")
-
-
-def _error_from_body(status_code: int | None, body: Any) -> RadixServeError:
-    """The OpenAI error shape {"error": {"message", "type", "param", "code"}}, FastAPI's {"detail": ...}, or
-    anything else (shown as it came)."""
-    if isinstance(body, dict) and isinstance(body.get("error"), dict):
-        err = body["error"]
-        code = err.get("code")
-        if status_code is None and isinstance(code, int):
-            status_code = code
-        return RadixServeError(status_code, str(err.get("message") or err), err.get("type"), err.get("param"),
-                               code, body)
-    if isinstance(body, dict) and isinstance(body.get("error"), str):
-        return RadixServeError(status_code, body["error"], body.get("type"), body.get("param"), body.get("code"),
-                               body)
-    if isinstance(body, dict) and "detail" in body:
-        detail = body["detail"]
-        return RadixServeError(status_code, detail if isinstance(detail, str) else json.dumps(detail), body=body)
-    text = body if isinstance(body, str) else json.dumps(body)
-    return RadixServeError(status_code, text or f"HTTP {status_code}", body=body)
-
-
-def error_from_response(response: httpx.Response) -> RadixServeError:
-    try:
-        body: Any = response.json()
-    except ValueError:
-        body = response.text
-    return _error_from_body(response.status_code, body)
-
-
-def transport_error(exc: httpx.TransportError, url: str) -> RadixServeError:
-    if isinstance(exc, httpx.TimeoutException):
-        return RadixServeTimeoutError(f"timed out waiting for {url} ({type(exc).__name__}: {exc})")
-    if isinstance(exc, httpx.ConnectError):
-        return RadixServeConnectionError(f"could not connect to {url}: {exc} (is the server running?)")
-    return RadixServeConnectionError(f"connection to {url} failed: {type(exc).__name__}: {exc}")
+from radixserve.client.errors import RadixServeError, error_from_body
 
 
 # ------------------------------------------------------------------------------------------------ results
@@ -100,14 +30,16 @@ class Usage:
         if not usage:
             return None
         details = usage.get("prompt_tokens_details") or {}
-        return cls(usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0),
-                   details.get("cached_tokens", 0) or 0)
+        return cls(
+            usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), details.get("cached_tokens", 0) or 0
+        )
 
 
 @dataclass
 class ToolCall:
     """A function the assistant called (chat with `tools`): `arguments` is the parsed JSON of `arguments_json`, the
     text as the server sent it (None if that text is not JSON: a reply cut by max_tokens)."""
+
     id: str | None
     name: str
     arguments: Any
@@ -151,6 +83,7 @@ class Choice:
 @dataclass
 class CompletionResult:
     """A /v1/completions answer; `text` and `finish_reason` are the first choice's."""
+
     text: str
     finish_reason: str | None
     usage: Usage
@@ -177,6 +110,7 @@ class ChatResult(CompletionResult):
 @dataclass
 class GenerateResult:
     """A native /generate answer. finish_reason is "stop" or "length"; matched_stop the stop token id or string."""
+
     text: str
     output_ids: list[int]
     finish_reason: str | None
@@ -198,6 +132,7 @@ class StreamChunk:
     """One piece of a streamed answer: `text` is new text only. For /v1/* streams with several choices, `index`
     says which; the usage chunk has text "" and `usage` set. For /generate, `output_ids` are the new token ids
     and the finished chunk carries `usage` (prompt, completion and cached tokens) and `matched_stop`."""
+
     text: str
     index: int = 0
     finish_reason: str | None = None
@@ -228,8 +163,17 @@ def _parse_choices(body: dict, chat: bool) -> list[Choice]:
         message = c.get("message") or {}
         text = (message.get("content") if chat else c.get("text")) or ""
         calls = [ToolCall.from_openai(call) for call in message.get("tool_calls") or []] if chat else []
-        choices.append(Choice(c.get("index", 0), text, c.get("finish_reason"), c.get("logprobs"),
-                              c.get("stop_reason"), calls, message.get("reasoning_content") if chat else None))
+        choices.append(
+            Choice(
+                c.get("index", 0),
+                text,
+                c.get("finish_reason"),
+                c.get("logprobs"),
+                c.get("stop_reason"),
+                calls,
+                message.get("reasoning_content") if chat else None,
+            )
+        )
     return sorted(choices, key=lambda c: c.index)
 
 
@@ -237,8 +181,15 @@ def parse_openai(body: dict, chat: bool):
     choices = _parse_choices(body, chat)
     first = choices[0] if choices else Choice(0, "", None)
     cls = ChatResult if chat else CompletionResult
-    return cls(first.text, first.finish_reason, Usage.from_openai(body.get("usage")) or Usage(), choices,
-               body.get("model"), body.get("id"), body)
+    return cls(
+        first.text,
+        first.finish_reason,
+        Usage.from_openai(body.get("usage")) or Usage(),
+        choices,
+        body.get("model"),
+        body.get("id"),
+        body,
+    )
 
 
 def _native_finish(meta: dict) -> tuple[str | None, int | str | None]:
@@ -253,9 +204,18 @@ def _parse_generate(body: dict) -> GenerateResult:
     meta = body.get("meta_info") or {}
     reason, matched = _native_finish(meta)
     output_ids = list(body.get("output_ids") or [])
-    return GenerateResult(body.get("text", ""), output_ids, reason, meta.get("prompt_tokens", 0),
-                          meta.get("completion_tokens", len(output_ids)), meta.get("cached_tokens", 0) or 0,
-                          matched, body.get("index", 0), meta, body)
+    return GenerateResult(
+        body.get("text", ""),
+        output_ids,
+        reason,
+        meta.get("prompt_tokens", 0),
+        meta.get("completion_tokens", len(output_ids)),
+        meta.get("cached_tokens", 0) or 0,
+        matched,
+        body.get("index", 0),
+        meta,
+        body,
+    )
 
 
 def parse_generate_body(body: Any) -> GenerateResult | list[GenerateResult]:
@@ -278,10 +238,20 @@ class OpenAIChunks:
                 text, role, deltas = delta.get("content") or "", delta.get("role"), delta.get("tool_calls") or []
             else:
                 text, role = c.get("text") or "", None
-            out.append(StreamChunk(text, c.get("index", 0), c.get("finish_reason"), None, role=role,
-                                   logprobs=c.get("logprobs"), matched_stop=c.get("stop_reason"),
-                                   tool_call_deltas=list(deltas),
-                                   reasoning_content=delta.get("reasoning_content") or "", raw=data))
+            out.append(
+                StreamChunk(
+                    text,
+                    c.get("index", 0),
+                    c.get("finish_reason"),
+                    None,
+                    role=role,
+                    logprobs=c.get("logprobs"),
+                    matched_stop=c.get("stop_reason"),
+                    tool_call_deltas=list(deltas),
+                    reasoning_content=delta.get("reasoning_content") or "",
+                    raw=data,
+                )
+            )
         usage = Usage.from_openai(data.get("usage"))
         if usage is not None:
             if out:
@@ -307,8 +277,8 @@ class NativeChunks:
         meta = data.get("meta_info") or {}
         text, ids = data.get("text") or "", list(data.get("output_ids") or [])
         seen_text, seen_ids = self._text.get(index, ""), self._ids.get(index, [])
-        if text.startswith(seen_text) and ids[:len(seen_ids)] == seen_ids:
-            new_text, new_ids = text[len(seen_text):], ids[len(seen_ids):]
+        if text.startswith(seen_text) and ids[: len(seen_ids)] == seen_ids:
+            new_text, new_ids = text[len(seen_text) :], ids[len(seen_ids) :]
         else:
             new_text, new_ids = text, ids
         self._text[index], self._ids[index] = seen_text + new_text, seen_ids + new_ids
@@ -333,10 +303,11 @@ def decode_event(payload: str, status_code: int) -> dict | None:
     try:
         data = json.loads(payload)
     except ValueError as e:
-        raise RadixServeError(status_code, f"the server sent a malformed stream event: {payload[:200]!r}",
-                              type="stream_error") from e
+        raise RadixServeError(
+            status_code, f"the server sent a malformed stream event: {payload[:200]!r}", type="stream_error"
+        ) from e
     if isinstance(data, dict) and "error" in data and not data.get("choices") and "text" not in data:
-        raise _error_from_body(None, data)
+        raise error_from_body(None, data)
     return data
 
 

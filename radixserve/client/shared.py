@@ -30,8 +30,7 @@ class ClientBase:
 
     # Request bodies -------------------------------------------------------------------------------------
     @staticmethod
-    def _openai_body(key: str, value: Any, model: str | None, stream: bool, params: dict,
-                     **structured: Any) -> dict:
+    def _openai_body(key: str, value: Any, model: str | None, stream: bool, params: dict, **structured: Any) -> dict:
         """structured: response_format, tools, tool_choice (left out when None)."""
         body: dict[str, Any] = {key: value, **params, **{k: v for k, v in structured.items() if v is not None}}
         if model is not None:
@@ -54,8 +53,9 @@ class ClientBase:
 
     @staticmethod
     def _pin_body(messages, prompt, input_ids, ttl_seconds, cache_salt) -> dict:
-        given = {k: v for k, v in (("messages", messages), ("prompt", prompt), ("input_ids", input_ids))
-                 if v is not None}
+        given = {
+            k: v for k, v in (("messages", messages), ("prompt", prompt), ("input_ids", input_ids)) if v is not None
+        }
         if len(given) != 1:
             raise ValueError("pass exactly one of messages, prompt and input_ids")
         body = dict(given)

@@ -8,10 +8,21 @@ from typing import Any, Callable, Iterator
 
 import httpx
 
-from radixserve.client.results import (ChatResult, CompletionResult, GenerateResult, Model, NativeChunks, OpenAIChunks,
-                                       RadixServeTimeoutError, Stream, StreamChunk, decode_event,
-                                       error_from_response, parse_generate_body, parse_openai, sse_data,
-                                       transport_error)
+from radixserve.client.errors import RadixServeTimeoutError, error_from_response, transport_error
+from radixserve.client.results import (
+    ChatResult,
+    CompletionResult,
+    GenerateResult,
+    Model,
+    NativeChunks,
+    OpenAIChunks,
+    Stream,
+    StreamChunk,
+    decode_event,
+    parse_generate_body,
+    parse_openai,
+    sse_data,
+)
 from radixserve.client.shared import DEFAULT_TIMEOUT_S, ClientBase, json_or_text
 
 
@@ -19,8 +30,12 @@ class Client(ClientBase):
     """Synchronous client. `timeout` (seconds, or an httpx.Timeout) bounds connecting and each wait for data;
     every method also takes `timeout=` for one call. Use as a context manager or call `close()`."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:30000", api_key: str | None = None,
-                 timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT_S):
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:30000",
+        api_key: str | None = None,
+        timeout: float | httpx.Timeout | None = DEFAULT_TIMEOUT_S,
+    ):
         super().__init__(base_url, api_key, timeout)
         self._http = httpx.Client(headers=self._headers, timeout=self.timeout)
 
@@ -78,21 +93,44 @@ class Client(ClientBase):
         return Stream(chunks())
 
     # OpenAI routes --------------------------------------------------------------------------------------
-    def chat(self, messages: list[dict], model: str | None = None, stream: bool = False, *,
-             response_format: dict | None = None, tools: list[dict] | None = None,
-             tool_choice: str | dict | None = None, timeout: float | httpx.Timeout | None = None,
-             **openai_params) -> ChatResult | Stream:
+    def chat(
+        self,
+        messages: list[dict],
+        model: str | None = None,
+        stream: bool = False,
+        *,
+        response_format: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        **openai_params,
+    ) -> ChatResult | Stream:
         """POST /v1/chat/completions. openai_params: max_tokens, temperature, top_p, n, stop, seed, logprobs, ...,
         cache_salt (the tenant's cache namespace: cached prompts are shared only within one salt)."""
-        body = self._openai_body("messages", messages, model, stream, openai_params, response_format=response_format,
-                                 tools=tools, tool_choice=tool_choice)
+        body = self._openai_body(
+            "messages",
+            messages,
+            model,
+            stream,
+            openai_params,
+            response_format=response_format,
+            tools=tools,
+            tool_choice=tool_choice,
+        )
         if stream:
             return self._stream("/v1/chat/completions", body, OpenAIChunks(chat=True), timeout)
         return parse_openai(self._send("POST", "/v1/chat/completions", body, timeout).json(), chat=True)
 
-    def completions(self, prompt: str | list, model: str | None = None, stream: bool = False, *,
-                    response_format: dict | None = None, timeout: float | httpx.Timeout | None = None,
-                    **openai_params) -> CompletionResult | Stream:
+    def completions(
+        self,
+        prompt: str | list,
+        model: str | None = None,
+        stream: bool = False,
+        *,
+        response_format: dict | None = None,
+        timeout: float | httpx.Timeout | None = None,
+        **openai_params,
+    ) -> CompletionResult | Stream:
         """POST /v1/completions. prompt: a string, a list of strings, token ids or a list of token-id lists."""
         body = self._openai_body("prompt", prompt, model, stream, openai_params, response_format=response_format)
         if stream:
@@ -100,10 +138,16 @@ class Client(ClientBase):
         return parse_openai(self._send("POST", "/v1/completions", body, timeout).json(), chat=False)
 
     # Native route ---------------------------------------------------------------------------------------
-    def generate(self, text: str | list[str] | None = None, input_ids: list[int] | list[list[int]] | None = None,
-                 sampling_params: dict | None = None, stream: bool = False, *,
-                 timeout: float | httpx.Timeout | None = None,
-                 **extra) -> GenerateResult | list[GenerateResult] | Stream:
+    def generate(
+        self,
+        text: str | list[str] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        sampling_params: dict | None = None,
+        stream: bool = False,
+        *,
+        timeout: float | httpx.Timeout | None = None,
+        **extra,
+    ) -> GenerateResult | list[GenerateResult] | Stream:
         """POST /generate. sampling_params uses SGLang's names (max_new_tokens, temperature, top_p, top_k, min_p,
         stop, stop_token_ids, seed, ignore_eos, ...); extra top-level fields (return_logprob, cache_salt, ...) go
         as they are.
@@ -143,9 +187,16 @@ class Client(ClientBase):
         return json_or_text(self._send("POST", self._flush_path(drop_pins)))
 
     # Pinned prefixes -------------------------------------------------------------------------------------
-    def pin_prefix(self, messages: list[dict] | None = None, prompt: str | list[int] | None = None,
-                   input_ids: list[int] | None = None, *, ttl_seconds: float | None = None,
-                   cache_salt: str | None = None, timeout: float | httpx.Timeout | None = None) -> dict:
+    def pin_prefix(
+        self,
+        messages: list[dict] | None = None,
+        prompt: str | list[int] | None = None,
+        input_ids: list[int] | None = None,
+        *,
+        ttl_seconds: float | None = None,
+        cache_salt: str | None = None,
+        timeout: float | httpx.Timeout | None = None,
+    ) -> dict:
         """POST /v1/cache/pin: keep a prefix cached (computed first if it is not) until unpinned or ttl_seconds
         pass. messages are rendered without the generation prompt. Returns the pin (id, num_tokens, cache_salt,
         created_at, expires_at, pinned_tokens); a RadixServeError with status 409 past --max-pinned-tokens."""

@@ -27,13 +27,20 @@ async def control(link, name: str, body: dict) -> dict:
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
             return {"status": 400, "message": "pin_prefix wants input_ids, a list of token ids"}
-        reply = await link.ask(lambda request_id: PinPrefixRequest(request_id, pack_i32(ids), body.get("cache_salt"),
-                                                                   body.get("ttl_seconds")))
+        reply = await link.ask(
+            lambda request_id: PinPrefixRequest(
+                request_id, pack_i32(ids), body.get("cache_salt"), body.get("ttl_seconds")
+            )
+        )
     elif name == "unpin_prefix":
         reply = await link.ask(lambda request_id: UnpinPrefixRequest(request_id, str(body.get("pin_id"))))
     elif name == "list_pins":
         reply = await link.ask(ListPinsRequest)
     else:
         return {"status": 404, "message": f"unknown control {name}"}
-    return {"status": reply.status, "message": reply.message, "pinned_tokens": reply.pinned_tokens,
-            "pins": [msgspec.structs.asdict(pin) for pin in reply.pins]}
+    return {
+        "status": reply.status,
+        "message": reply.message,
+        "pinned_tokens": reply.pinned_tokens,
+        "pins": [msgspec.structs.asdict(pin) for pin in reply.pins],
+    }

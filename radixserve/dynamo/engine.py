@@ -19,7 +19,8 @@ from pathlib import Path
 from dynamo.common.backend import EngineConfig, LLMEngine, LlmRegistration, WorkerConfig
 from dynamo.llm.exceptions import EngineShutdown, InvalidArgument
 
-from radixserve.config import ModelConfig, ServerArgs
+from radixserve.config import ServerArgs
+from radixserve.model_config import ModelConfig
 from radixserve.dynamo.controls import CONTROLS, control
 from radixserve.dynamo.kv_publisher import KvEventRelay
 from radixserve.dynamo.requests import chunk, prepare, usage
@@ -33,16 +34,21 @@ PROG = "python -m radixserve.dynamo"
 
 
 def parse_args(argv: list[str] | None) -> ServerArgs:
-    parser = argparse.ArgumentParser(prog=PROG, description="radixserve as an NVIDIA Dynamo backend (tokens in, "
-                                                            "tokens out; KV events from its radix tree)")
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="radixserve as an NVIDIA Dynamo backend (tokens in, tokens out; KV events from its radix tree)",
+    )
     ServerArgs.add_cli_args(parser)
     try:
         args = ServerArgs.from_cli_args(parser.parse_args(argv))
     except (ValueError, FileNotFoundError) as e:
         parser.exit(2, f"{PROG}: error: {e}\n")
     if args.pin_prompts is not None:
-        parser.exit(2, f"{PROG}: error: --pin-prompts needs the HTTP front end; pin token ids with "
-                       "POST /engine/control/pin_prefix on the worker's system port\n")
+        parser.exit(
+            2,
+            f"{PROG}: error: --pin-prompts needs the HTTP front end; pin token ids with "
+            "POST /engine/control/pin_prefix on the worker's system port\n",
+        )
     if args.port > 32767:  # Dynamo 1.6.1 reads DYN_SYSTEM_PORT as a signed 16-bit number
         parser.exit(2, f"{PROG}: error: --port must be at most 32767 (Dynamo's system server), got {args.port}\n")
     if args.kv_events_block_size is None:
@@ -53,8 +59,12 @@ def parse_args(argv: list[str] | None) -> ServerArgs:
 def runtime_env(args: ServerArgs) -> dict[str, str]:
     """Where Dynamo's runtime binds and what it advertises: --host (loopback by default) for the request plane,
     the event plane's advertised address and the system server, which serves on --port."""
-    return {"DYN_TCP_RPC_HOST": args.host, "DYN_EVENT_PLANE_HOST": args.host, "DYN_SYSTEM_HOST": args.host,
-            "DYN_SYSTEM_PORT": str(args.port)}
+    return {
+        "DYN_TCP_RPC_HOST": args.host,
+        "DYN_EVENT_PLANE_HOST": args.host,
+        "DYN_SYSTEM_HOST": args.host,
+        "DYN_SYSTEM_PORT": str(args.port),
+    }
 
 
 class RadixserveEngine(LLMEngine):
@@ -84,13 +94,17 @@ class RadixserveEngine(LLMEngine):
         os.environ.update(runtime_env(args))
         env = os.environ.get
         config = WorkerConfig(
-            namespace=args.dynamo_namespace, component=args.dynamo_component, endpoint="generate",
-            model_name=engine.model_dir, served_model_name=engine.served_name,
+            namespace=args.dynamo_namespace,
+            component=args.dynamo_component,
+            endpoint="generate",
+            model_name=engine.model_dir,
+            served_model_name=engine.served_name,
             discovery_backend=args.discovery_backend or env("DYN_DISCOVERY_BACKEND", "etcd"),
             request_plane=args.request_plane or env("DYN_REQUEST_PLANE", "tcp"),
             event_plane=args.event_plane or env("DYN_EVENT_PLANE"),
             response_plane=env("DYN_RESPONSE_PLANE", "tcp"),
-            enable_kv_routing=engine.kv_relay is not None)
+            enable_kv_routing=engine.kv_relay is not None,
+        )
         return engine, config
 
     async def start(self, worker_id: int) -> EngineConfig:
@@ -99,21 +113,38 @@ class RadixserveEngine(LLMEngine):
         self.kv_pool_tokens = (await self.link.server_info()).get("kv_pool_tokens")
         block_size = self.args.kv_events_block_size or None
         blocks = self.kv_pool_tokens // block_size if block_size and self.kv_pool_tokens else None
-        logger.info("radixserve engine ready: %s (tp %d, dp %d, KV pool %s tokens, KV event blocks of %s)",
-                    self.model_dir, self.args.tp_size, self.args.dp_size, self.kv_pool_tokens, block_size)
+        logger.info(
+            "radixserve engine ready: %s (tp %d, dp %d, KV pool %s tokens, KV event blocks of %s)",
+            self.model_dir,
+            self.args.tp_size,
+            self.args.dp_size,
+            self.kv_pool_tokens,
+            block_size,
+        )
         return EngineConfig(
-            model=self.model_dir, served_model_name=self.served_name,
-            llm=LlmRegistration(context_length=self.context_len, kv_cache_block_size=block_size,
-                                total_kv_blocks=blocks, max_num_seqs=self.args.max_running_requests,
-                                data_parallel_size=self.args.dp_size))
+            model=self.model_dir,
+            served_model_name=self.served_name,
+            llm=LlmRegistration(
+                context_length=self.context_len,
+                kv_cache_block_size=block_size,
+                total_kv_blocks=blocks,
+                max_num_seqs=self.args.max_running_requests,
+                data_parallel_size=self.args.dp_size,
+            ),
+        )
 
     async def kv_event_sources(self) -> list:
         return self.kv_relay.sources() if self.kv_relay is not None else []
 
     async def generate(self, request, context):
         try:
-            job = prepare(request, self.model_config.vocab_size, self.context_len, self.kv_pool_tokens,
-                          self.args.require_cache_salt)
+            job = prepare(
+                request,
+                self.model_config.vocab_size,
+                self.context_len,
+                self.kv_pool_tokens,
+                self.args.require_cache_salt,
+            )
         except InvalidRequest as e:
             raise InvalidArgument(e.message) from None
         rid, link = context.id(), self.link  # the link, even if cleanup() drops it meanwhile
@@ -122,8 +153,11 @@ class RadixserveEngine(LLMEngine):
         if rid in link.streams:
             raise InvalidArgument(f"request id {rid} is already in flight on this worker")
         dp_rank = job.dp_rank if self.args.dp_size > 1 else None
-        queue = link.submit(TokenizedRequest(rid, pack_i32(job.prompt_ids), job.params, time.time(),
-                                             cache_salt=job.cache_salt, dp_rank=dp_rank))
+        queue = link.submit(
+            TokenizedRequest(
+                rid, pack_i32(job.prompt_ids), job.params, time.time(), cache_salt=job.cache_salt, dp_rank=dp_rank
+            )
+        )
         finished, cached_tokens = False, None
         try:
             while not finished:

@@ -24,6 +24,7 @@ class KvEventRelay:
     def sources(self) -> list:
         """One PushSource per replica (LLMEngine.kv_event_sources)."""
         from dynamo.common.backend.publisher import PushSource
+
         return [PushSource(on_ready=partial(self._ready, rank), dp_rank=rank) for rank in range(self.dp_size)]
 
     def _ready(self, rank: int, publisher) -> None:
@@ -43,10 +44,14 @@ class KvEventRelay:
     def _event(self, event) -> dict:
         if not isinstance(event, KvBlocksStored):
             return {"type": "removed", "block_hashes": event.block_hashes}
-        return {"type": "stored", "token_ids": unpack_i32(event.token_ids).tolist(),
-                "num_block_tokens": [self.block_size] * len(event.block_hashes),
-                "block_hashes": event.block_hashes, "parent_hash": event.parent_hash,
-                "cache_salt": event.cache_salt}
+        return {
+            "type": "stored",
+            "token_ids": unpack_i32(event.token_ids).tolist(),
+            "num_block_tokens": [self.block_size] * len(event.block_hashes),
+            "block_hashes": event.block_hashes,
+            "parent_hash": event.parent_hash,
+            "cache_salt": event.cache_salt,
+        }
 
     def close(self) -> None:
         with self.lock:

@@ -30,8 +30,9 @@ class Prepared:
     dp_rank: int | None
 
 
-def prepare(request: dict, vocab_size: int, context_len: int, kv_pool_tokens: int | None,
-            require_cache_salt: bool = False) -> Prepared:
+def prepare(
+    request: dict, vocab_size: int, context_len: int, kv_pool_tokens: int | None, require_cache_salt: bool = False
+) -> Prepared:
     """The request as radixserve runs it; InvalidRequest (a 400 at the client) for what radixserve would refuse."""
     stop = request.get("stop_conditions") or {}
     sampling = request.get("sampling_options") or {}
@@ -52,8 +53,13 @@ def prepare(request: dict, vocab_size: int, context_len: int, kv_pool_tokens: in
         stop=list(stop.get("stop") or []),
         # Hidden ones (EOS) end the text unseen, visible ones end it seen: the scheduler stops on either, and the
         # frontend, which knows which is which, shows the token or not.
-        stop_token_ids=sorted({*(stop.get("stop_token_ids") or []), *(stop.get("stop_token_ids_hidden") or []),
-                               *(stop.get("stop_token_ids_visible") or [])}),
+        stop_token_ids=sorted(
+            {
+                *(stop.get("stop_token_ids") or []),
+                *(stop.get("stop_token_ids_hidden") or []),
+                *(stop.get("stop_token_ids_visible") or []),
+            }
+        ),
         include_stop_str_in_output=bool(sampling.get("include_stop_str_in_output")),
         logprobs=output.get("logprobs"),
         **_sampling_fields(sampling),
@@ -63,15 +69,22 @@ def prepare(request: dict, vocab_size: int, context_len: int, kv_pool_tokens: in
     routing = request.get("routing") or {}
     salt = routing.get("cache_salt") or ((request.get("extra_args") or {}).get("nvext") or {}).get("cache_salt")
     if require_cache_salt and not salt:
-        raise InvalidRequest("this server requires a cache_salt on every request (--require-cache-salt)",
-                             "cache_salt")
+        raise InvalidRequest("this server requires a cache_salt on every request (--require-cache-salt)", "cache_salt")
     return Prepared(ids, params, salt or None, routing.get("dp_rank"))
 
 
 def _sampling_fields(sampling: dict) -> dict[str, Any]:
     """Dynamo's sampling options that are set, under SamplingParams' names (unset ones keep radixserve's default)."""
-    names = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-             "repetition_penalty")
+    names = (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    )
     return {name: sampling[name] for name in names if sampling.get(name) is not None}
 
 
@@ -88,8 +101,9 @@ def _grammar_fields(guided: dict | None) -> dict[str, Any]:
         return {"ebnf": guided["grammar"]}
     if guided.get("choice"):
         return {"regex": "|".join(re.escape(choice) for choice in guided["choice"])}
-    raise InvalidRequest(f"guided_decoding {sorted(guided)} is not supported by the radixserve backend",
-                         "guided_decoding")
+    raise InvalidRequest(
+        f"guided_decoding {sorted(guided)} is not supported by the radixserve backend", "guided_decoding"
+    )
 
 
 def chunk(out: RequestOutput, params: SamplingParams) -> dict[str, Any]:
@@ -106,11 +120,16 @@ def chunk(out: RequestOutput, params: SamplingParams) -> dict[str, Any]:
 def _top(lp: TokenLogprobs) -> list[dict[str, Any]]:
     ids = unpack_i32(lp.top_ids).tolist()
     values = memoryview(lp.top_logprobs).cast("f").tolist()
-    return [{"rank": rank, "token_id": token, "logprob": value}
-            for rank, (token, value) in enumerate(zip(ids, values), start=1)]
+    return [
+        {"rank": rank, "token_id": token, "logprob": value}
+        for rank, (token, value) in enumerate(zip(ids, values), start=1)
+    ]
 
 
 def usage(out: RequestOutput, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.completion_tokens,
+        "total_tokens": out.prompt_tokens + out.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }

@@ -22,9 +22,19 @@ import zmq.asyncio
 from radixserve.config import ServerArgs
 from radixserve.runtime.ipc import AsyncChannel
 from radixserve.runtime.launcher import Launcher
-from radixserve.protocol import (AbortRequest, BatchOutput, FlushCacheRequest, FlushCacheResult, KvBlockEvents,
-                                 PinsReply, RequestOutput, SchedulerToTokenizer, ServerInfo, ServerInfoRequest,
-                                 TokenizedRequest)
+from radixserve.protocol import (
+    AbortRequest,
+    BatchOutput,
+    FlushCacheRequest,
+    FlushCacheResult,
+    KvBlockEvents,
+    PinsReply,
+    RequestOutput,
+    SchedulerToTokenizer,
+    ServerInfo,
+    ServerInfoRequest,
+    TokenizedRequest,
+)
 
 logger = logging.getLogger(__name__)
 CONTROL_TIMEOUT_S = 30.0
@@ -45,8 +55,9 @@ class SchedulerLink:
         self.ctx = zmq.asyncio.Context()
         endpoints = self.launcher.endpoints
         # Bound before the scheduler starts: its first messages must find us (a PUSH queues until then).
-        self.from_scheduler = AsyncChannel(self.ctx, zmq.PULL, endpoints.scheduler_to_tokenizer, bind=True,
-                                           recv_type=SchedulerToTokenizer)
+        self.from_scheduler = AsyncChannel(
+            self.ctx, zmq.PULL, endpoints.scheduler_to_tokenizer, bind=True, recv_type=SchedulerToTokenizer
+        )
         self.to_scheduler = AsyncChannel(self.ctx, zmq.PUSH, endpoints.tokenizer_to_scheduler, bind=False)
         self.streams: dict[str, asyncio.Queue] = {}
         self.replies: dict[str, asyncio.Future] = {}

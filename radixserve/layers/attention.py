@@ -29,34 +29,90 @@ class Attention(nn.Module):
         """The new tokens' K/V into their slots (k/v: [T, Hkv, D])."""
         kernels.store_kv(k, v, self.k_cache, self.v_cache, get_forward_context().out_cache_loc)
 
-    def store_rotated(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cos_sin_cache: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
-                      eps: float) -> None:
+    def store_rotated(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q_norm: torch.Tensor | None,
+        k_norm: torch.Tensor | None,
+        eps: float,
+    ) -> None:
         """store() after the per-head RMSNorm of Q and K (weights q_norm / k_norm, None for none) and RoPE
         (cos_sin_cache of a layers.rotary.RotaryEmbedding), all in place on q/k, as one kernel."""
-        kernels.qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_norm, k_norm, eps, self.k_cache, self.v_cache,
-                                   get_forward_context().out_cache_loc)
+        kernels.qk_norm_rope_store(
+            q,
+            k,
+            v,
+            positions,
+            cos_sin_cache,
+            q_norm,
+            k_norm,
+            eps,
+            self.k_cache,
+            self.v_cache,
+            get_forward_context().out_cache_loc,
+        )
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None):
         """Attention of the new tokens' queries (q: [T, Hq, D]) over their cached context and the new tokens (k/v:
         [T, Hkv, D], already stored); into `out` when given (a piecewise CUDA graph's static buffer of T rows or
         more). Returns the output [T, Hq, D]."""
         ctx = get_forward_context()
-        o = torch.empty_like(q) if out is None else out[:q.shape[0]]
+        o = torch.empty_like(q) if out is None else out[: q.shape[0]]
         n, t = ctx.num_extend_reqs, ctx.num_extend_tokens
         if n:
-            kernels.extend_attention(q[:t], k[:t], v[:t], o[:t], self.k_cache, self.v_cache, ctx.req_to_token,
-                                     ctx.req_pool_indices[:n], ctx.prefix_lens[:n], ctx.extend_lens[:n],
-                                     ctx.extend_start_loc[:n], self.scale, ctx.max_extend_len)
+            kernels.extend_attention(
+                q[:t],
+                k[:t],
+                v[:t],
+                o[:t],
+                self.k_cache,
+                self.v_cache,
+                ctx.req_to_token,
+                ctx.req_pool_indices[:n],
+                ctx.prefix_lens[:n],
+                ctx.extend_lens[:n],
+                ctx.extend_start_loc[:n],
+                self.scale,
+                ctx.max_extend_len,
+            )
         g = ctx.decode_groups
         if t < q.shape[0] and g is None:
-            kernels.decode_attention(q[t:], self.k_cache, self.v_cache, o[t:], ctx.req_to_token,
-                                     ctx.req_pool_indices[n:], ctx.seq_lens[n:], self.scale, ctx.max_seq_len)
+            kernels.decode_attention(
+                q[t:],
+                self.k_cache,
+                self.v_cache,
+                o[t:],
+                ctx.req_to_token,
+                ctx.req_pool_indices[n:],
+                ctx.seq_lens[n:],
+                self.scale,
+                ctx.max_seq_len,
+            )
         elif t < q.shape[0]:
             # Decodes that share a prefix: its K/V is read once per group instead of once per member.
             kernels.decode_attention_grouped(
-                q[t:], self.k_cache, self.v_cache, o[t:], ctx.req_to_token, ctx.req_pool_indices[n:],
-                ctx.seq_lens[n:], g.prefix_lens, g.prefix_rows, g.member_start, g.members, g.req_group,
-                g.req_suffix_start, self.scale, ctx.max_seq_len, g.max_prefix_len, g.max_group_size,
-                prefix_splits=g.prefix_splits, max_prefix_splits=g.max_prefix_splits)
+                q[t:],
+                self.k_cache,
+                self.v_cache,
+                o[t:],
+                ctx.req_to_token,
+                ctx.req_pool_indices[n:],
+                ctx.seq_lens[n:],
+                g.prefix_lens,
+                g.prefix_rows,
+                g.member_start,
+                g.members,
+                g.req_group,
+                g.req_suffix_start,
+                self.scale,
+                ctx.max_seq_len,
+                g.max_prefix_len,
+                g.max_group_size,
+                prefix_splits=g.prefix_splits,
+                max_prefix_splits=g.max_prefix_splits,
+            )
         return o

@@ -22,11 +22,12 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         if loaded.dim() != 2 or loaded.shape[0] != self.vocab_size or loaded.shape[1] != param.shape[1]:
-            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} vs vocab {self.vocab_size} x "
-                             f"hidden {param.shape[1]}")
-        shard = loaded[self.vocab_start:self.vocab_start + self.rows_per_rank]
+            raise ValueError(
+                f"shape mismatch: checkpoint {tuple(loaded.shape)} vs vocab {self.vocab_size} x hidden {param.shape[1]}"
+            )
+        shard = loaded[self.vocab_start : self.vocab_start + self.rows_per_rank]
         param.data.zero_()
-        param.data[:shard.shape[0]].copy_(shard)
+        param.data[: shard.shape[0]].copy_(shard)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -43,4 +44,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = all_gather_last_dim(F.linear(hidden, self.weight))
-        return logits[..., :self.vocab_size]
+        return logits[..., : self.vocab_size]

@@ -22,9 +22,11 @@ def set_gemm_split_k(allowed: bool) -> None:
     worker sets it once at start. True restores torch's settings as they were."""
     matmul = torch.backends.cuda.matmul
     if not _BLAS_DEFAULTS:
-        _BLAS_DEFAULTS.update(library=torch.backends.cuda.preferred_blas_library(),
-                              bf16=matmul.allow_bf16_reduced_precision_reduction,
-                              fp16=matmul.allow_fp16_reduced_precision_reduction)
+        _BLAS_DEFAULTS.update(
+            library=torch.backends.cuda.preferred_blas_library(),
+            bf16=matmul.allow_bf16_reduced_precision_reduction,
+            fp16=matmul.allow_fp16_reduced_precision_reduction,
+        )
     if allowed:
         torch.backends.cuda.preferred_blas_library(_BLAS_DEFAULTS["library"])
         matmul.allow_bf16_reduced_precision_reduction = _BLAS_DEFAULTS["bf16"]
@@ -52,8 +54,10 @@ class ColumnParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = param.shape[0]
         if loaded.shape[0] != n * self.tp_size:
-            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} cannot be split into "
-                             f"{self.tp_size} shards of {tuple(param.shape)}")
+            raise ValueError(
+                f"shape mismatch: checkpoint {tuple(loaded.shape)} cannot be split into "
+                f"{self.tp_size} shards of {tuple(param.shape)}"
+            )
         copy_whole_tensor(param, loaded.narrow(0, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,8 +75,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         if loaded.shape[0] != size * self.tp_size:
-            raise ValueError(f"shape mismatch: checkpoint block {shard_id} has {loaded.shape[0]} rows, "
-                             f"expected {size * self.tp_size}")
+            raise ValueError(
+                f"shape mismatch: checkpoint block {shard_id} has {loaded.shape[0]} rows, "
+                f"expected {size * self.tp_size}"
+            )
         block = param.data.narrow(0, offset, size)
         shard = loaded.narrow(0, self.tp_rank * size, size)
         if block.shape != shard.shape:
@@ -99,8 +105,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         shard = loaded.narrow(0, rank_block * size, size) if loaded.shape[0] >= (rank_block + 1) * size else loaded
         block = param.data.narrow(0, offset, size)
         if block.shape != shard.shape:
-            raise ValueError(f"shape mismatch: checkpoint {shard_id}_proj {tuple(loaded.shape)} vs expected shard "
-                             f"{tuple(block.shape)}")
+            raise ValueError(
+                f"shape mismatch: checkpoint {shard_id}_proj {tuple(loaded.shape)} vs expected shard "
+                f"{tuple(block.shape)}"
+            )
         block.copy_(shard)
 
 
@@ -121,8 +129,10 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = param.shape[1]
         if loaded.dim() != 2 or loaded.shape[1] != n * self.tp_size:
-            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded.shape)} cannot be split into "
-                             f"{self.tp_size} shards of {tuple(param.shape)}")
+            raise ValueError(
+                f"shape mismatch: checkpoint {tuple(loaded.shape)} cannot be split into "
+                f"{self.tp_size} shards of {tuple(param.shape)}"
+            )
         copy_whole_tensor(param, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -104,8 +104,14 @@ def rope_table(rotary_dim: int, max_position: int, base: float, rope_scaling: di
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float, rope_scaling: dict | None = None,
-                 rotary_dim: int | None = None):
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        rope_scaling: dict | None = None,
+        rotary_dim: int | None = None,
+    ):
         super().__init__()
         table = rope_table(rotary_dim or head_dim, max_position, base, rope_scaling)
         self.register_buffer("cos_sin_cache", table, persistent=False)

@@ -22,6 +22,7 @@ from radixserve.sampling import SamplingParams
 @dataclass
 class SamplingRequestState:
     """What the sampler keeps per running request (on the worker)."""
+
     params: SamplingParams
     eos_ids: list[int]
     num_outputs: int
@@ -37,8 +38,13 @@ class SamplingRequestState:
     def __post_init__(self):
         # Greedy with nothing that edits the logits (a grammar or min_tokens may still, checked per step).
         p = self.params
-        self.plain_greedy = (p.is_greedy and not p.logit_bias and self.output_counts is None
-                             and self.seen_mask is None and self.grammar is None)
+        self.plain_greedy = (
+            p.is_greedy
+            and not p.logit_bias
+            and self.output_counts is None
+            and self.seen_mask is None
+            and self.grammar is None
+        )
 
     def on_sampled(self, token: int) -> None:
         """Record a token sampled for this request, once it is on the host (by every rank, so that all ranks stay
@@ -88,8 +94,13 @@ class Sampler:
         self.device = device
         self.upload = upload or _plain_upload(device)
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState], positions: list[int],
-                 want_logprobs: bool | None = None):
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingRequestState],
+        positions: list[int],
+        want_logprobs: bool | None = None,
+    ):
         """logits [B, V] (any float dtype); positions: the position of the token being sampled, per row.
         Returns (token ids int64 [B], log-softmax of the raw logits or None). want_logprobs: whether to return the
         log-softmax (default: when a row asks for logprobs; a caller sampling a batch in parts asks for every part)."""
@@ -118,8 +129,9 @@ class Sampler:
         uniforms = torch.rand(len(params), device=dev)
         seeded = [i for i, p in enumerate(params) if p.seed is not None and not p.is_greedy]
         if seeded:
-            uniforms[self.upload(np.array(seeded, dtype=np.int64))] = self.upload(np.array(
-                [_seeded_uniform(params[i].seed, positions[i]) for i in seeded], dtype=np.float32))
+            uniforms[self.upload(np.array(seeded, dtype=np.int64))] = self.upload(
+                np.array([_seeded_uniform(params[i].seed, positions[i]) for i in seeded], dtype=np.float32)
+            )
         tokens = _inverse_cdf_sample(probs, uniforms)
         greedy = self.upload(np.array([p.is_greedy for p in params], dtype=np.bool_))
         return torch.where(greedy, logits.argmax(dim=-1), tokens), raw_logprobs
@@ -134,16 +146,24 @@ class Sampler:
             s = states[i]
             if s.logit_bias_tensors is None:
                 token_ids, biases = zip(*s.params.logit_bias.items())
-                s.logit_bias_tensors = (self.upload(np.array(token_ids, dtype=np.int64)),
-                                        self.upload(np.array(biases, dtype=np.float32)))
+                s.logit_bias_tensors = (
+                    self.upload(np.array(token_ids, dtype=np.int64)),
+                    self.upload(np.array(biases, dtype=np.float32)),
+                )
             row_ids, row_values = s.logit_bias_tensors
             row_index.append(torch.full_like(row_ids, i))
             ids.append(row_ids)
             values.append(row_values)
         logits.index_put_((torch.cat(row_index), torch.cat(ids)), torch.cat(values).to(logits.dtype), accumulate=True)
 
-    def _apply_grammars(self, logits: torch.Tensor, states: list[SamplingRequestState], rows: list[int],
-                        at_risk: list[int], unbanned: torch.Tensor | None) -> None:
+    def _apply_grammars(
+        self,
+        logits: torch.Tensor,
+        states: list[SamplingRequestState],
+        rows: list[int],
+        at_risk: list[int],
+        unbanned: torch.Tensor | None,
+    ) -> None:
         """Forbid, in the constrained rows only, every token the row's grammar does not allow next."""
         if not rows:
             return
@@ -184,8 +204,9 @@ class Sampler:
             counts = torch.stack([states[i].output_counts for i in count_rows]).to(logits.dtype)
             freq = up(np.array([states[i].params.frequency_penalty for i in count_rows], dtype=np.float32))
             presence = up(np.array([states[i].params.presence_penalty for i in count_rows], dtype=np.float32))
-            logits[rows] -= (freq.to(logits.dtype).unsqueeze(1) * counts
-                             + presence.to(logits.dtype).unsqueeze(1) * (counts > 0).to(logits.dtype))
+            logits[rows] -= freq.to(logits.dtype).unsqueeze(1) * counts + presence.to(logits.dtype).unsqueeze(1) * (
+                counts > 0
+            ).to(logits.dtype)
         if seen_rows:
             rows = up(np.array(seen_rows, dtype=np.int64))
             seen = torch.stack([states[i].seen_mask for i in seen_rows])

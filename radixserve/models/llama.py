@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from radixserve.config import ModelConfig
+from radixserve.model_config import ModelConfig
 from radixserve.runtime.distributed import get_tp_size
 from radixserve.layers.activation import gate_up_silu
 from radixserve.layers.attention import Attention
@@ -24,12 +24,14 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.kv_heads_per_rank(tp)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads,
-                                          bias=qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads, bias=qkv_bias
+        )
         self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, bias=o_bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta,
-                                          config.rope_scaling)
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5)
+        self.rotary_emb = RotaryEmbedding(
+            self.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
@@ -101,7 +103,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_layers))
+            LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -18,4 +18,4 @@ def replica_endpoints(server: Endpoints, dp_rank: int) -> Endpoints:
 def replica_gpus(args, dp_rank: int, visible: list[str]) -> list[str]:
     """GPU ids of replica dp_rank's ranks: in order from --base-gpu-id, tp_size per replica."""
     start = args.base_gpu_id + dp_rank * args.tp_size
-    return visible[start:start + args.tp_size]
+    return visible[start : start + args.tp_size]

@@ -19,8 +19,9 @@ def init_tensor_parallel(rank: int, world_size: int, init_method: str, device: s
     if world_size == 1:
         return
     backend = "nccl" if device == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(minutes=10))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=datetime.timedelta(minutes=10)
+    )
 
 
 def destroy_tensor_parallel() -> None:

@@ -13,7 +13,7 @@ import time
 import zmq
 
 from radixserve.runtime.ipc import Channel
-from radixserve.protocol import Heartbeat
+from radixserve.runtime.supervision_messages import Heartbeat
 
 
 class Progress:

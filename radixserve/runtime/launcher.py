@@ -26,7 +26,8 @@ from radixserve.runtime.node_keys import SECRET_ENV, read_secret
 from radixserve.runtime.node_link import BEAT_INTERVAL_S, NodeLinks, Peer, is_loopback, ranks_on_node
 from radixserve.runtime.preflight import LaunchError, check_before_launch
 from radixserve.runtime.process_util import child_argv, write_child_config
-from radixserve.protocol import ChildToLauncher, EngineFailed, Heartbeat, ProcessFailed, ProcessReady
+from radixserve.protocol import EngineFailed
+from radixserve.runtime.supervision_messages import ChildToLauncher, Heartbeat, ProcessFailed, ProcessReady
 
 READY_TIMEOUT_S = 900
 DEMO_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -113,8 +114,9 @@ def resolve_api_key(args: ServerArgs) -> None:
         args.api_key = os.environ[API_KEY_ENV].strip()
     if args.api_key is not None and not args.api_key.strip():
         # Without a key every route is open: a key that came out empty ("$(cat missing-file)") must not do that.
-        raise LaunchError(f"the API key is empty (--api-key or ${API_KEY_ENV}): give a key, or leave both unset to "
-                          f"serve without one")
+        raise LaunchError(
+            f"the API key is empty (--api-key or ${API_KEY_ENV}): give a key, or leave both unset to serve without one"
+        )
 
 
 def single_node_loopback_env() -> dict[str, str]:
@@ -123,8 +125,9 @@ def single_node_loopback_env() -> dict[str, str]:
     loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
     if loopback is None:
         return {}
-    return {k: v for k, v in (("GLOO_SOCKET_IFNAME", loopback), ("NCCL_SOCKET_IFNAME", loopback))
-            if k not in os.environ}
+    return {
+        k: v for k, v in (("GLOO_SOCKET_IFNAME", loopback), ("NCCL_SOCKET_IFNAME", loopback)) if k not in os.environ
+    }
 
 
 def cpu_worker_malloc_env() -> dict[str, str]:
@@ -158,16 +161,18 @@ class Launcher:
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, self.endpoints.launcher, bind=True, recv_type=ChildToLauncher)
         # PUSH queues until the tokenizer binds, so EngineFailed reaches it even from early on.
-        self.to_tokenizer = (Channel(self.ctx, zmq.PUSH, self.endpoints.scheduler_to_tokenizer, bind=False)
-                             if serve_http else None)
+        self.to_tokenizer = (
+            Channel(self.ctx, zmq.PUSH, self.endpoints.scheduler_to_tokenizer, bind=False) if serve_http else None
+        )
         self.children: list[Child] = []
         self.stop_requested = False
         self.tokenizer_told = False
         self.links: NodeLinks | None = None  # multi-node: the links to the other nodes' launchers
         self.stop_reason: str | None = None  # why the server is going down, once a child or node has failed
 
-    def spawn(self, name: str, module: str, env: dict[str, str] | None = None, config_file: str | None = None,
-              **extra) -> None:
+    def spawn(
+        self, name: str, module: str, env: dict[str, str] | None = None, config_file: str | None = None, **extra
+    ) -> None:
         cmd = [sys.executable, "-m", module, *child_argv(config_file or self.config_file, **extra)]
         # The key, if it came from the environment, is in the configuration file; /proc/<pid>/environ need not
         # carry it too. Nor the nodes' secret: only this process uses it.
@@ -208,8 +213,14 @@ class Launcher:
             # Each replica sees only its GPUs, so a worker's rank still picks its device.
             env["CUDA_VISIBLE_DEVICES"] = ",".join(replica_gpus(self.args, dp_rank, visible_gpus()))
         for rank in ranks_on_node(self.args):
-            self.spawn(f"{prefix}worker-{rank}", "radixserve.worker", env=env, config_file=config_file, rank=rank,
-                       dist_init_method=dist_init)
+            self.spawn(
+                f"{prefix}worker-{rank}",
+                "radixserve.worker",
+                env=env,
+                config_file=config_file,
+                rank=rank,
+                dist_init_method=dist_init,
+            )
         if self.args.node_rank == 0:
             self.spawn(f"{prefix}scheduler", "scheduler_service", config_file=config_file)
 
@@ -310,8 +321,9 @@ class Launcher:
             self.stop_reason = f"{child.name} (pid {child.process.pid}) is hung: it {child.hang}"
         else:
             state = describe_exit(code) if code is not None else "reported a fatal error"
-            self.stop_reason = (f"{child.name} (pid {child.process.pid}) {state}"
-                                + (f":\n{child.failure}" if child.failure else ""))
+            self.stop_reason = f"{child.name} (pid {child.process.pid}) {state}" + (
+                f":\n{child.failure}" if child.failure else ""
+            )
         if self.args.nnodes > 1 and not isinstance(child.process, Peer):
             self.stop_reason = f"on node {self.args.node_rank}, {self.stop_reason}"
         return self.stop_reason
@@ -344,10 +356,12 @@ class Launcher:
         self.ctx.term()
         shutil.rmtree(self.endpoints.ipc_dir, ignore_errors=True)
 
+
 def visible_gpus() -> list[str]:
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
         return os.environ["CUDA_VISIBLE_DEVICES"].split(",")
     import torch
+
     return [str(i) for i in range(torch.cuda.device_count())]
 
 
@@ -355,6 +369,7 @@ def resolve_model_dir(model: str | None) -> Path:
     """The model directory to serve; with none given, the SmolLM2 demo model (built on first use)."""
     if model is None:
         from radixserve.testing.smollm2 import smollm2_dir
+
         return smollm2_dir()
     path = Path(model).expanduser()
     if not path.is_dir():

@@ -33,8 +33,10 @@ def read_secret(args) -> bytes:
         secret = os.environ.get(SECRET_ENV, "").strip()
         where = f"${SECRET_ENV}"
     if not secret:
-        raise ValueError(f"--nnodes > 1 needs a secret shared by every node, to authenticate the links between "
-                         f"them: set ${SECRET_ENV} or pass --dist-secret-file (e.g. from `openssl rand -hex 32`)")
+        raise ValueError(
+            f"--nnodes > 1 needs a secret shared by every node, to authenticate the links between "
+            f"them: set ${SECRET_ENV} or pass --dist-secret-file (e.g. from `openssl rand -hex 32`)"
+        )
     if len(secret) < MIN_SECRET_CHARS:
         raise ValueError(f"the secret in {where} is too short: use at least {MIN_SECRET_CHARS} characters")
     return secret.encode()

@@ -32,7 +32,7 @@ import zmq.auth.thread
 
 from radixserve.runtime.ipc import Endpoints
 from radixserve.runtime.node_keys import OnlyOurClient, curve_client, curve_server, derive_keys
-from radixserve.protocol import NodeBeat, NodeFailed, NodeStop, NodeToNode
+from radixserve.runtime.supervision_messages import NodeBeat, NodeFailed, NodeStop, NodeToNode
 
 JOIN_TIMEOUT_DEFAULT_S = 600.0  # loading a large model's shard on a slow file system
 SILENCE_DEFAULT_S = 30.0
@@ -45,6 +45,7 @@ _decode = msgspec.msgpack.Decoder(NodeToNode).decode
 
 # ---------------------------------------------------------------- flags
 
+
 def split_host_port(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
@@ -53,7 +54,7 @@ def split_host_port(addr: str) -> tuple[str, int]:
 
 
 def check_multi_node_args(args) -> None:
-    """The multi-node rules (ServerArgs.__post_init__ calls this when --nnodes or --node-rank is set)."""
+    """The multi-node rules (radixserve/server_args_rules.py calls this when --nnodes or --node-rank is set)."""
     if args.nnodes < 1:
         raise ValueError(f"--nnodes must be >= 1, got {args.nnodes}")
     if not 0 <= args.node_rank < args.nnodes:
@@ -62,8 +63,10 @@ def check_multi_node_args(args) -> None:
         raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, the same on every node)")
     split_host_port(args.dist_init_addr)
     if args.tp_size % args.nnodes:
-        raise ValueError(f"--tp-size {args.tp_size} must be a multiple of --nnodes {args.nnodes} "
-                         f"(each node runs tp_size / nnodes ranks)")
+        raise ValueError(
+            f"--tp-size {args.tp_size} must be a multiple of --nnodes {args.nnodes} "
+            f"(each node runs tp_size / nnodes ranks)"
+        )
     if args.dist_timeout is not None and args.dist_timeout <= 0:
         raise ValueError(f"--dist-timeout must be > 0, got {args.dist_timeout}")
 
@@ -132,6 +135,7 @@ def link_ports(args) -> LinkPorts:
 
 # ---------------------------------------------------------------- relays
 
+
 class Relay(threading.Thread):
     """Moves frames from one socket to another, unchanged (they are msgspec messages already), until stopped. The
     sockets belong to this thread from start() on."""
@@ -176,6 +180,7 @@ def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
 
 
 # ---------------------------------------------------------------- the other nodes, as the launcher sees them
+
 
 class Peer:
     """Another node, listed among the launcher's children: it has `ready` and `failure` like a child, and enough of
@@ -310,20 +315,29 @@ class NodeLinks:
         limit = silence_timeout(self.args)
         if peer.last_beat is None:
             if now > peer.join_deadline:
-                listen = (f"node 0 listening at {self.ports.host}:{self.ports.base + 1}-{self.ports.base + 3}"
-                          if peer.node_rank == 0 else f"{self.ports.host}:{self.ports.base + 1}-{self.ports.base + 3}")
-                peer.fail(f"{who} did not join within --dist-timeout {join_timeout(self.args):g} s: is it started "
-                          f"with the same command (--nnodes {self.args.nnodes}, --dist-init-addr "
-                          f"{self.args.dist_init_addr}, --node-rank {peer.node_rank}) and the same secret, and can "
-                          f"it reach {listen}?")
+                listen = (
+                    f"node 0 listening at {self.ports.host}:{self.ports.base + 1}-{self.ports.base + 3}"
+                    if peer.node_rank == 0
+                    else f"{self.ports.host}:{self.ports.base + 1}-{self.ports.base + 3}"
+                )
+                peer.fail(
+                    f"{who} did not join within --dist-timeout {join_timeout(self.args):g} s: is it started "
+                    f"with the same command (--nnodes {self.args.nnodes}, --dist-init-addr "
+                    f"{self.args.dist_init_addr}, --node-rank {peer.node_rank}) and the same secret, and can "
+                    f"it reach {listen}?"
+                )
             return
         silent = now - peer.last_beat
         if connection_lost(self.dropped_at, peer.last_beat, now):
-            peer.fail(f"{who} is gone: its connection closed and it has sent nothing for {silent:.1f} s "
-                      f"(its launch.py was killed or its machine went down)")
+            peer.fail(
+                f"{who} is gone: its connection closed and it has sent nothing for {silent:.1f} s "
+                f"(its launch.py was killed or its machine went down)"
+            )
         elif silent > limit:
-            peer.fail(f"{who} went silent: nothing from it for {silent:.1f} s (--dist-timeout is {limit:g} s); "
-                      f"its machine or the network between us is down")
+            peer.fail(
+                f"{who} went silent: nothing from it for {silent:.1f} s (--dist-timeout is {limit:g} s); "
+                f"its machine or the network between us is down"
+            )
 
     def _send(self, message) -> None:
         try:
@@ -347,4 +361,3 @@ class NodeLinks:
         if self.auth is not None:
             self.auth.stop()
         self.ctx.term()
-

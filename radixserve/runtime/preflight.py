@@ -9,7 +9,8 @@ import json
 import socket
 from pathlib import Path
 
-from radixserve.config import ModelConfig, ServerArgs
+from radixserve.config import ServerArgs
+from radixserve.model_config import ModelConfig
 
 
 class LaunchError(ValueError):
@@ -34,8 +35,9 @@ def check_model_dir(model_dir: Path, load_format: str, tp_size: int) -> None:
     try:
         model_config = ModelConfig.from_dict(config, model_dir)
     except (KeyError, TypeError, ValueError) as e:
-        raise LaunchError(f"{config_path} is not a usable {architectures[0]} config "
-                          f"({type(e).__name__}: {e})") from None
+        raise LaunchError(
+            f"{config_path} is not a usable {architectures[0]} config ({type(e).__name__}: {e})"
+        ) from None
     # The vocabulary needs no check: each rank's slice of the embedding and LM head is padded up.
     try:
         model_config.check_tp(tp_size)
@@ -43,6 +45,7 @@ def check_model_dir(model_dir: Path, load_format: str, tp_size: int) -> None:
         raise LaunchError(str(e)) from None
     if load_format != "dummy":
         from radixserve.loader import safetensors_files
+
         try:
             safetensors_files(model_dir)
         except (FileNotFoundError, KeyError, ValueError) as e:
@@ -57,14 +60,18 @@ def check_devices(device: str, tp_size: int, extra_gpus: int = 0) -> None:
 
     if not torch.cuda.is_available():
         build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-        raise LaunchError(f"--device cuda, but no CUDA GPU is visible (torch {torch.__version__} is {build}); "
-                          f"use --device cpu or a machine with a GPU")
+        raise LaunchError(
+            f"--device cuda, but no CUDA GPU is visible (torch {torch.__version__} is {build}); "
+            f"use --device cpu or a machine with a GPU"
+        )
     count = torch.cuda.device_count()
     if count < tp_size + extra_gpus:
         if not extra_gpus:
             raise LaunchError(f"--tp-size {tp_size} needs {tp_size} GPUs, but {count} are visible")
-        raise LaunchError(f"--base-gpu-id + --dp-size x --tp-size (per node) needs {tp_size + extra_gpus} GPUs, "
-                          f"but {count} are visible")
+        raise LaunchError(
+            f"--base-gpu-id + --dp-size x --tp-size (per node) needs {tp_size + extra_gpus} GPUs, "
+            f"but {count} are visible"
+        )
 
 
 def check_port_free(host: str, port: int, flag: str = "--port") -> None:
@@ -75,8 +82,9 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise LaunchError(f"cannot listen on {host}:{port}: {e.strerror or e} (is another server running? "
-                              f"pick another {flag})") from None
+            raise LaunchError(
+                f"cannot listen on {host}:{port}: {e.strerror or e} (is another server running? pick another {flag})"
+            ) from None
 
 
 def check_node_links(args: ServerArgs) -> None:
@@ -117,8 +125,10 @@ def check_host_memory(hicache_gb: float, ranks: int, available: int | None = Non
     need = hicache_gb * 1e9 * ranks
     if need > available:
         per_rank = f" ({ranks} ranks on this node)" if ranks > 1 else ""
-        raise LaunchError(f"--hicache-size {hicache_gb:g} GB of host KV per rank{per_rank} needs {need / 1e9:.1f} GB "
-                          f"of host memory, but this machine has {available / 1e9:.1f} GB available")
+        raise LaunchError(
+            f"--hicache-size {hicache_gb:g} GB of host KV per rank{per_rank} needs {need / 1e9:.1f} GB "
+            f"of host memory, but this machine has {available / 1e9:.1f} GB available"
+        )
 
 
 def check_before_launch(args: ServerArgs, model_dir: Path, serve_http: bool) -> None:

@@ -21,7 +21,7 @@ import zmq
 from radixserve.config import ServerArgs
 from radixserve.runtime.heartbeat import heartbeat_interval, start_heartbeat
 from radixserve.runtime.ipc import Channel, Endpoints
-from radixserve.protocol import ProcessFailed, ProcessReady
+from radixserve.runtime.supervision_messages import ProcessFailed, ProcessReady
 
 PR_SET_PDEATHSIG = 1
 
@@ -53,8 +53,15 @@ def write_child_config(args: ServerArgs, model_dir: str, endpoints: Endpoints, d
     path = os.path.join(endpoints.ipc_dir, CONFIG_FILE_NAME)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"server_args": args.to_dict(), "model_dir": str(model_dir), "ipc_dir": endpoints.ipc_dir,
-                   "dp_rank": dp_rank}, f)
+        json.dump(
+            {
+                "server_args": args.to_dict(),
+                "model_dir": str(model_dir),
+                "ipc_dir": endpoints.ipc_dir,
+                "dp_rank": dp_rank,
+            },
+            f,
+        )
     return path
 
 
@@ -69,8 +76,7 @@ def _read_configuration(ns: argparse.Namespace) -> tuple[ServerArgs, str, str, i
     if ns.config_file is not None:
         with open(ns.config_file) as f:
             config = json.load(f)
-        return (ServerArgs(**config["server_args"]), config["model_dir"], config["ipc_dir"],
-                config.get("dp_rank"))
+        return (ServerArgs(**config["server_args"]), config["model_dir"], config["ipc_dir"], config.get("dp_rank"))
     # The same on the command line, for starting one service by hand (tests); launch.py never passes these.
     if None in (ns.server_args_json, ns.model_dir, ns.ipc_dir):
         raise SystemExit("give --config-file, or all of --server-args-json, --model-dir and --ipc-dir")
@@ -78,8 +84,9 @@ def _read_configuration(ns: argparse.Namespace) -> tuple[ServerArgs, str, str, i
 
 
 def setup_logging(name: str, level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format=f"%(asctime)s [{name}] %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def run_child(name: str, main: Callable, extra_args: tuple[str, ...] = ()) -> None:

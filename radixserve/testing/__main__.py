@@ -1,8 +1,8 @@
 """Build (or find) a cached model directory and print its path, e.g. for `launch.py --model`:
 
-    python -m radixserve.testing smollm2
-    python -m radixserve.testing tiny qwen3 --set num_hidden_layers=4 --set seed=1
-    python -m radixserve.testing dummy qwen3-8b --tokenizer DIR_WITH_A_TOKENIZER
+python -m radixserve.testing smollm2
+python -m radixserve.testing tiny qwen3 --set num_hidden_layers=4 --set seed=1
+python -m radixserve.testing dummy qwen3-8b --tokenizer DIR_WITH_A_TOKENIZER
 """
 
 from __future__ import annotations
@@ -27,14 +27,22 @@ def _parse_override(text: str) -> tuple[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m radixserve.testing", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m radixserve.testing", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="what", required=True)
     sub.add_parser("smollm2", help="the demo model SmolLM2-135M-Instruct")
     tiny = sub.add_parser("tiny", help="a tiny random model")
     tiny.add_argument("arch", choices=TINY_ARCHS)
-    tiny.add_argument("--set", dest="overrides", action="append", default=[], type=_parse_override,
-                      metavar="KEY=VALUE", help="seed, dtype or a config key (value parsed as JSON if it can be)")
+    tiny.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        type=_parse_override,
+        metavar="KEY=VALUE",
+        help="seed, dtype or a config key (value parsed as JSON if it can be)",
+    )
     dummy = sub.add_parser("dummy", help="config.json of a real shape, for --load-format dummy")
     dummy.add_argument("name", choices=sorted(DUMMY_CONFIGS))
     dummy.add_argument("--tokenizer", default=None, help="directory whose tokenizer files to copy in")

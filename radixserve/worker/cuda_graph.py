@@ -37,8 +37,17 @@ def batch_size_buckets(max_bs: int) -> list[int]:
 
 
 class DecodeCudaGraphs:
-    def __init__(self, model: torch.nn.Module, req_to_token: torch.Tensor, future_tokens: torch.Tensor,
-                 context_len: int, max_bs: int, grouped: bool = False, staging=None, prefix_slices=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        req_to_token: torch.Tensor,
+        future_tokens: torch.Tensor,
+        context_len: int,
+        max_bs: int,
+        grouped: bool = False,
+        staging=None,
+        prefix_slices=None,
+    ):
         self.model = model
         self.prefix_slices = prefix_slices  # pack_decode_groups's slices: each step's slices per shared prefix
         self.staging = staging  # a worker.pinned_staging.PinnedStaging: each step's inputs in one copy
@@ -55,21 +64,31 @@ class DecodeCudaGraphs:
         int64_part, int32_part = 2 * b, 3 * b + self.group_table_size
         self.block = torch.zeros(8 * int64_part + 4 * int32_part, dtype=torch.uint8, device=req_to_token.device)
         self.host_block = np.zeros(self.block.numel(), dtype=np.uint8)
-        longs = self.block[:8 * int64_part].view(torch.int64)
-        ints = self.block[8 * int64_part:].view(torch.int32)
+        longs = self.block[: 8 * int64_part].view(torch.int64)
+        ints = self.block[8 * int64_part :].view(torch.int32)
         self.input_ids, self.positions = longs[:b], longs[b:]
-        self.req_pool_indices, self.seq_lens, self.out_cache_loc = ints[:b], ints[b:2 * b], ints[2 * b:3 * b]
-        self.group_table = ints[3 * b:] if grouped else None
-        host_longs = self.host_block[:8 * int64_part].view(np.int64)
-        host_ints = self.host_block[8 * int64_part:].view(np.int32)
-        self.host = (host_longs[:b], host_longs[b:], host_ints[:b], host_ints[b:2 * b], host_ints[2 * b:3 * b],
-                     host_ints[3 * b:])
+        self.req_pool_indices, self.seq_lens, self.out_cache_loc = ints[:b], ints[b : 2 * b], ints[2 * b : 3 * b]
+        self.group_table = ints[3 * b :] if grouped else None
+        host_longs = self.host_block[: 8 * int64_part].view(np.int64)
+        host_ints = self.host_block[8 * int64_part :].view(np.int32)
+        self.host = (
+            host_longs[:b],
+            host_longs[b:],
+            host_ints[:b],
+            host_ints[b : 2 * b],
+            host_ints[2 * b : 3 * b],
+            host_ints[3 * b :],
+        )
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (batch size, grouped)
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         start = time.perf_counter()
         self._capture_all()
-        logger.info("captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s", len(self.graphs),
-                    self.max_bs, time.perf_counter() - start)
+        logger.info(
+            "captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s",
+            len(self.graphs),
+            self.max_bs,
+            time.perf_counter() - start,
+        )
 
     def fits(self, batch_size: int) -> bool:
         return batch_size <= self.max_bs
@@ -80,14 +99,29 @@ class DecodeCudaGraphs:
         if grouped:
             # Captured with no members (every group empty): all decodes take the plain suffix path meanwhile.
             flat, _, _ = pack_decode_groups(PrefixGroups(b"", b"", b"", b""), 0, max_groups(bs), bs)
-            self.group_table[:len(flat)].copy_(torch.from_numpy(flat))
-            groups = DecodeGroups.view(self.group_table, max_groups(bs), bs, self.context_len, bs,
-                                       kernels.prefix_slices_bound(self.context_len))
+            self.group_table[: len(flat)].copy_(torch.from_numpy(flat))
+            groups = DecodeGroups.view(
+                self.group_table,
+                max_groups(bs),
+                bs,
+                self.context_len,
+                bs,
+                kernels.prefix_slices_bound(self.context_len),
+            )
         return ForwardContext(
-            num_extend_reqs=0, num_extend_tokens=0, req_to_token=self.req_to_token,
-            req_pool_indices=self.req_pool_indices[:bs], prefix_lens=unused, extend_lens=unused,
-            extend_start_loc=unused, seq_lens=self.seq_lens[:bs], out_cache_loc=self.out_cache_loc[:bs],
-            max_extend_len=0, max_seq_len=self.context_len, decode_groups=groups)
+            num_extend_reqs=0,
+            num_extend_tokens=0,
+            req_to_token=self.req_to_token,
+            req_pool_indices=self.req_pool_indices[:bs],
+            prefix_lens=unused,
+            extend_lens=unused,
+            extend_start_loc=unused,
+            seq_lens=self.seq_lens[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            max_extend_len=0,
+            max_seq_len=self.context_len,
+            decode_groups=groups,
+        )
 
     def _run(self, bs: int) -> torch.Tensor:
         """The captured step: placeholders resolved, req_to_token written (a decode's token goes at position
@@ -109,8 +143,11 @@ class DecodeCudaGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         self.seq_lens.fill_(1)
         # A group has two members at least: a batch of one never replays a grouped graph.
-        for bs, grouped in [(bs, grouped) for bs in reversed(self.buckets)
-                            for grouped in ([False, True] if self.group_table is not None and bs >= 2 else [False])]:
+        for bs, grouped in [
+            (bs, grouped)
+            for bs in reversed(self.buckets)
+            for grouped in ([False, True] if self.group_table is not None and bs >= 2 else [False])
+        ]:
             set_forward_context(self._context(bs, grouped))
             stream.wait_stream(torch.cuda.current_stream())  # the group table _context just wrote for this bucket
             try:
@@ -127,9 +164,15 @@ class DecodeCudaGraphs:
             self.graphs[bs, grouped] = graph
         torch.cuda.synchronize()
 
-    def replay(self, input_ids: np.ndarray, positions: np.ndarray, req_pool_indices: np.ndarray,
-               seq_lens: np.ndarray, out_cache_loc: np.ndarray,
-               prefix_groups: PrefixGroups | None = None) -> torch.Tensor:
+    def replay(
+        self,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        req_pool_indices: np.ndarray,
+        seq_lens: np.ndarray,
+        out_cache_loc: np.ndarray,
+        prefix_groups: PrefixGroups | None = None,
+    ) -> torch.Tensor:
         """Logits [B, V] of one decode step; the arguments are this step's host arrays of length B (input ids may
         be placeholders of the previous step's tokens), and the batch's prefix groups (if any: then the grouped
         graph replays). The step's inputs go to the device in one copy, then one graph launch."""
@@ -143,7 +186,7 @@ class DecodeCudaGraphs:
         grouped = prefix_groups is not None and self.group_table is not None
         if grouped:
             flat, _, _ = pack_decode_groups(prefix_groups, 0, max_groups(bs), bs, self.prefix_slices)
-            table[:len(flat)] = flat
+            table[: len(flat)] = flat
         elif prefix_groups is not None:
             raise RuntimeError("prefix groups sent to a worker whose CUDA graphs were captured without them")
         self.staging.copy_into(self.block, self.host_block)

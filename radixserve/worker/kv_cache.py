@@ -11,6 +11,9 @@ import weakref
 import numpy as np
 import torch
 
+from radixserve.protocol import ReusedSlots, unpack_i32
+
+
 class ReqToTokenPool:
     """int32 table [max_running + 1, context_len]: row r, column i = slot of token i of the request
     holding row r. Zero-initialised, so unwritten entries point at the padding slot.
@@ -33,10 +36,27 @@ class ReqToTokenPool:
             if rows.min() < 0 or rows.max() > self.max_running:
                 raise ValueError(f"req_to_token row out of range 0..{self.max_running}: {rows.tolist()}")
             if starts.min() < 0 or (starts + lens).max() > self.context_len:
-                raise ValueError(f"req_to_token write past the context length {self.context_len}: a sequence of "
-                                 f"{int((starts + lens).max())} tokens")
+                raise ValueError(
+                    f"req_to_token write past the context length {self.context_len}: a sequence of "
+                    f"{int((starts + lens).max())} tokens"
+                )
         offsets = np.cumsum(lens) - lens
         return np.repeat(rows * self.context_len + starts - offsets, lens) + np.arange(int(lens.sum()))
+
+    def batch_writes(self, reused_slots: list[ReusedSlots], rows, prefix_lens, extend_lens, new_slots):
+        """Every req_to_token assignment the batch implies, as (flat index, slot) arrays: the new tokens' slots at
+        prefix_len.., then the reused slots (cached prefixes, ranges re-pointed at the tree's copy). Later entries
+        win, which never matters: a step's reused ranges and new tokens do not overlap."""
+        index = self.flat_index(rows, prefix_lens, extend_lens)
+        if not reused_slots:
+            return index, new_slots
+        reused = []
+        for r in reused_slots:
+            reused.append(unpack_i32(r.slots) if r.source < 0 else reused[r.source])  # (sent once, ReusedSlots)
+        reused_index = self.flat_index(
+            [r.req_pool_idx for r in reused_slots], [r.start for r in reused_slots], [len(s) for s in reused]
+        )
+        return np.concatenate([index, reused_index]), np.concatenate([new_slots, *reused])
 
     def write(self, flat_index: torch.Tensor, slots: torch.Tensor) -> None:
         """table.flat[flat_index] = slots, both on the table's device (one scatter for the whole step)."""
@@ -124,29 +144,34 @@ class HostKVCache:
         """buffer[:, :, host_slots[i]] = KV of device slot device_slots[i], every layer."""
         c = self.device_cache
         for lo in range(0, len(host_slots), self.CHUNK_TOKENS):
-            src = device_slots[lo:lo + self.CHUNK_TOKENS]
+            src = device_slots[lo : lo + self.CHUNK_TOKENS]
             index = torch.from_numpy(src.astype(np.int64)).to(c.k_buffers[0].device, non_blocking=True)
-            runs = _runs(host_slots[lo:lo + self.CHUNK_TOKENS])
+            runs = _runs(host_slots[lo : lo + self.CHUNK_TOKENS])
             for layer in range(c.num_layers):
                 for kv, device_buffer in enumerate((c.k_buffers[layer], c.v_buffers[layer])):
                     staged = device_buffer[index]  # (a fresh tensor: the caching allocator keeps it until the copy)
                     for start, end, offset in runs:
-                        self.buffer[layer, kv, start:end].copy_(staged[offset:offset + end - start], non_blocking=True)
+                        self.buffer[layer, kv, start:end].copy_(
+                            staged[offset : offset + end - start], non_blocking=True
+                        )
 
     def load(self, host_slots: np.ndarray, device_slots: np.ndarray) -> None:
         """KV of device slot device_slots[i], every layer = buffer[:, :, host_slots[i]]."""
         c = self.device_cache
         device = c.k_buffers[0].device
         for lo in range(0, len(host_slots), self.CHUNK_TOKENS):
-            src = host_slots[lo:lo + self.CHUNK_TOKENS]
+            src = host_slots[lo : lo + self.CHUNK_TOKENS]
             runs = _runs(src)
-            index = torch.from_numpy(device_slots[lo:lo + self.CHUNK_TOKENS].astype(np.int64)).to(
-                device, non_blocking=True)
+            index = torch.from_numpy(device_slots[lo : lo + self.CHUNK_TOKENS].astype(np.int64)).to(
+                device, non_blocking=True
+            )
             staged = torch.empty((len(src), c.num_kv_heads, c.head_dim), dtype=c.dtype, device=device)
             for layer in range(c.num_layers):
                 for kv, device_buffer in enumerate((c.k_buffers[layer], c.v_buffers[layer])):
                     for start, end, offset in runs:
-                        staged[offset:offset + end - start].copy_(self.buffer[layer, kv, start:end], non_blocking=True)
+                        staged[offset : offset + end - start].copy_(
+                            self.buffer[layer, kv, start:end], non_blocking=True
+                        )
                     device_buffer.index_copy_(0, index, staged)
 
 
@@ -161,8 +186,9 @@ def pinned_empty(shape: tuple, dtype: torch.dtype) -> torch.Tensor:
     cudart = torch.cuda.cudart()
     err = int(cudart.cudaHostRegister(t.data_ptr(), nbytes, 0))
     if err != 0:
-        raise RuntimeError(f"cannot page-lock {nbytes / 1e9:.1f} GB of host memory for the host KV pool "
-                           f"(cudaHostRegister error {err})")
+        raise RuntimeError(
+            f"cannot page-lock {nbytes / 1e9:.1f} GB of host memory for the host KV pool (cudaHostRegister error {err})"
+        )
     # Unregistered when the mapping goes (the tensor's storage holds it): the next pool's mapping may get the same
     # addresses, and registering them again fails (error 712, seen with a second pool in one process).
     weakref.finalize(mapping, cudart.cudaHostUnregister, t.data_ptr())

@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.config import ModelConfig, ServerArgs
+from radixserve.config import ServerArgs
+from radixserve.model_config import ModelConfig
 from radixserve.runtime.distributed import get_tp_size
 from radixserve.worker.kv_cache import HostKVCache, KVCache
 
 CPU_DEFAULT_KV_TOKENS = 16384
 
 
-def device_kv_slots(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, context_len: int,
-                    layerwise_offload: bool) -> int:
+def device_kv_slots(
+    args: ServerArgs,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    context_len: int,
+    layerwise_offload: bool,
+) -> int:
     """Slots of the device KV pool. layerwise_offload: requests longer than the pool are served (one layer at a time
     through the host tier), so a pool shorter than the context length is allowed."""
     if args.max_total_tokens is not None:
@@ -33,16 +40,25 @@ def device_kv_slots(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, devi
     return slots
 
 
-def _slots_that_fit(args: ServerArgs, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, context_len: int,
-                    layerwise_offload: bool) -> int:
+def _slots_that_fit(
+    args: ServerArgs,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    context_len: int,
+    layerwise_offload: bool,
+) -> int:
     free, total = torch.cuda.mem_get_info(device)
     used = total - free
     budget = int(total * args.mem_fraction_static) - used
-    slots = KVCache.num_slots_for_budget(budget, cfg.num_layers, cfg.kv_heads_per_rank(get_tp_size()),
-                                         cfg.head_dim, dtype)
+    slots = KVCache.num_slots_for_budget(
+        budget, cfg.num_layers, cfg.kv_heads_per_rank(get_tp_size()), cfg.head_dim, dtype
+    )
     if slots < context_len and (not layerwise_offload or slots < 1):
-        raise RuntimeError(f"only {slots} KV slots fit in --mem-fraction-static {args.mem_fraction_static}; "
-                           f"need at least the context length {context_len}")
+        raise RuntimeError(
+            f"only {slots} KV slots fit in --mem-fraction-static {args.mem_fraction_static}; "
+            f"need at least the context length {context_len}"
+        )
     return slots
 
 

@@ -25,8 +25,9 @@ import torch
 
 
 class LayerRing:
-    def __init__(self, size: int, tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+    def __init__(
+        self, size: int, tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+    ):
         if size < 2:
             raise ValueError(f"the layer ring needs at least 2 buffers (one computing, one loading), got {size}")
         self.size, self.tokens = size, tokens
@@ -70,24 +71,31 @@ class LayerRing:
         with self._side(b):
             fill(b)
 
-    def save(self, b: int, rows: list[tuple[int, int]], host_k: torch.Tensor, host_v: torch.Tensor,
-             host_runs: list[tuple[int, int, int]]) -> None:
+    def save(
+        self,
+        b: int,
+        rows: list[tuple[int, int]],
+        host_k: torch.Tensor,
+        host_v: torch.Tensor,
+        host_runs: list[tuple[int, int, int]],
+    ) -> None:
         """Copy buffer b's K/V out to the host, after what the compute stream queued so far: rows are (first row,
         count) spans of the buffer laid end to end, host_runs (start, end, offset) runs of host slots over them."""
         with self._side(b):
             sources = _spans(rows)
             for start, end, offset in host_runs:
                 for src_row, dst, n in _split(sources, offset, end - start, start):
-                    host_k[dst:dst + n].copy_(self.k[b][src_row:src_row + n], non_blocking=True)
-                    host_v[dst:dst + n].copy_(self.v[b][src_row:src_row + n], non_blocking=True)
+                    host_k[dst : dst + n].copy_(self.k[b][src_row : src_row + n], non_blocking=True)
+                    host_v[dst : dst + n].copy_(self.v[b][src_row : src_row + n], non_blocking=True)
                     self.bytes_saved += 2 * n * self.k[b][0].numel() * self.k[b].element_size()
 
-    def load(self, b: int, row: int, host_k: torch.Tensor, host_v: torch.Tensor,
-             host_runs: list[tuple[int, int, int]]) -> None:
+    def load(
+        self, b: int, row: int, host_k: torch.Tensor, host_v: torch.Tensor, host_runs: list[tuple[int, int, int]]
+    ) -> None:
         """Inside a fill: buffer rows row + offset.. = host slots start..end of each run (on the side stream)."""
         for start, end, offset in host_runs:
-            self.k[b][row + offset:row + offset + end - start].copy_(host_k[start:end], non_blocking=True)
-            self.v[b][row + offset:row + offset + end - start].copy_(host_v[start:end], non_blocking=True)
+            self.k[b][row + offset : row + offset + end - start].copy_(host_k[start:end], non_blocking=True)
+            self.v[b][row + offset : row + offset + end - start].copy_(host_v[start:end], non_blocking=True)
             self.bytes_loaded += 2 * (end - start) * self.k[b][0].numel() * self.k[b].element_size()
 
     def _side(self, b: int):
@@ -143,4 +151,5 @@ def _split(spans, offset: int, n: int, dst: int):
 def host_runs(host_slots: np.ndarray) -> list[tuple[int, int, int]]:
     """(start, end, offset) of each run of consecutive host slots (kv_cache._runs)."""
     from radixserve.worker.kv_cache import _runs
+
     return _runs(np.asarray(host_slots))

@@ -38,9 +38,16 @@ class LayerwiseOffload:
         self.device, dtype = runner.device, runner.dtype
         self.num_layers = cfg.num_layers
         from radixserve.runtime.distributed import get_tp_size
+
         tokens = args.layerwise_offload_buffer_tokens or runner.context_len
-        self.ring = LayerRing(args.layerwise_offload_ring_size, tokens, cfg.kv_heads_per_rank(get_tp_size()),
-                              cfg.head_dim, dtype, self.device)
+        self.ring = LayerRing(
+            args.layerwise_offload_ring_size,
+            tokens,
+            cfg.kv_heads_per_rank(get_tp_size()),
+            cfg.head_dim,
+            dtype,
+            self.device,
+        )
         # The prefill workspace: every new token's hidden state and residual between layers (allocated here, before
         # the KV pool is sized from what memory is left, so that the pool leaves room for it).
         self.hidden = torch.empty((tokens, cfg.hidden_size), dtype=dtype, device=self.device)
@@ -82,8 +89,10 @@ class LayerwiseOffload:
                 self.jobs[False] = DecodeJob(self, work.job, rows, prefix_lens, ids)
         job = self.jobs.get(work.prefill)
         if job is None or job.id != work.job or job.next_unit != work.first_unit:
-            raise RuntimeError(f"long step out of order: job {work.job} unit {work.first_unit}, but this worker is at "
-                               f"{None if job is None else (job.id, job.next_unit)}")
+            raise RuntimeError(
+                f"long step out of order: job {work.job} unit {work.first_unit}, but this worker is at "
+                f"{None if job is None else (job.id, job.next_unit)}"
+            )
         hidden = job.run(work.num_units)
         if self.device.type == "cuda":
             self._step_done = torch.cuda.Event()
@@ -128,19 +137,22 @@ class PrefillJob:
     """One request's new prompt tokens (after a cached prefix of prefix_len), layer by layer in chunks. Buffer row
     1 + p holds position p (row 0 is padding)."""
 
-    def __init__(self, offload: LayerwiseOffload, job_id: int, row: int, prefix_len: int, input_ids: torch.Tensor,
-                 chunk: int):
+    def __init__(
+        self, offload: LayerwiseOffload, job_id: int, row: int, prefix_len: int, input_ids: torch.Tensor, chunk: int
+    ):
         self.o, self.id, self.next_unit = offload, job_id, 0
         n = len(input_ids)
         self.prefix_len, self.num_new, self.chunk = prefix_len, n, chunk
         if prefix_len + n > offload.ring.tokens:
-            raise ValueError(f"a prompt of {prefix_len + n} tokens does not fit a ring buffer of "
-                             f"{offload.ring.tokens} (--layerwise-offload-buffer-tokens)")
+            raise ValueError(
+                f"a prompt of {prefix_len + n} tokens does not fit a ring buffer of "
+                f"{offload.ring.tokens} (--layerwise-offload-buffer-tokens)"
+            )
         self.num_chunks = math.ceil(n / chunk)
         self.num_units = offload.num_layers * self.num_chunks
         slots = offload.host_slots[row]
         self.prefix_runs = host_runs(slots[:prefix_len])
-        self.new_slots = slots[prefix_len:prefix_len + n]
+        self.new_slots = slots[prefix_len : prefix_len + n]
         dev = offload.device
         self.positions = torch.arange(prefix_len, prefix_len + n, dtype=torch.int64, device=dev)
         self.table = torch.arange(1, 1 + prefix_len + n, dtype=torch.int32, device=dev)[None]  # position -> row
@@ -156,6 +168,7 @@ class PrefillJob:
         def fill(b: int) -> None:
             if self.prefix_len:  # a cached prefix: its K/V of this layer from the host
                 self.o.ring.load(b, 1, *self.o.host.layer(layer), self.prefix_runs)
+
         return fill
 
     def run(self, num_units: int) -> torch.Tensor | None:
@@ -174,10 +187,18 @@ class PrefillJob:
             start, end = self.starts[c], self.ends[c]
             p0 = self.prefix_len + start
             ctx = ForwardContext(
-                num_extend_reqs=1, num_extend_tokens=end - start, req_to_token=self.table,
-                req_pool_indices=self.zero, prefix_lens=self.prefix_t[c:c + 1], extend_lens=self.lens_t[c:c + 1],
-                extend_start_loc=self.zero, seq_lens=self.seq_t[c:c + 1],
-                out_cache_loc=self.table[0, p0:self.prefix_len + end], max_extend_len=end - start, max_seq_len=0)
+                num_extend_reqs=1,
+                num_extend_tokens=end - start,
+                req_to_token=self.table,
+                req_pool_indices=self.zero,
+                prefix_lens=self.prefix_t[c : c + 1],
+                extend_lens=self.lens_t[c : c + 1],
+                extend_start_loc=self.zero,
+                seq_lens=self.seq_t[c : c + 1],
+                out_cache_loc=self.table[0, p0 : self.prefix_len + end],
+                max_extend_len=end - start,
+                max_seq_len=0,
+            )
             residual = o.residual[start:end] if layer else None
             hidden, residual = o.layer(layer, b, self.positions[start:end], o.hidden[start:end], residual, ctx)
             # The residual first: at layer 0 it may be a view of these hidden rows (the norms add in place).
@@ -196,15 +217,17 @@ class DecodeJob:
     """One new token for each of several long requests, their contexts side by side in one ring buffer: request r's
     positions 0..ctx_lens[r] at rows bases[r].., its new token at position ctx_lens[r]."""
 
-    def __init__(self, offload: LayerwiseOffload, job_id: int, rows: np.ndarray, ctx_lens: np.ndarray,
-                 input_ids: torch.Tensor):
+    def __init__(
+        self, offload: LayerwiseOffload, job_id: int, rows: np.ndarray, ctx_lens: np.ndarray, input_ids: torch.Tensor
+    ):
         self.o, self.id, self.next_unit = offload, job_id, 0
         self.num_units = offload.num_layers
         ctx = ctx_lens.astype(np.int64)
         self.bases = 1 + np.concatenate([[0], np.cumsum(ctx + 1)[:-1]])
         if int(self.bases[-1] + ctx[-1]) > offload.ring.tokens:
-            raise ValueError(f"decode contexts of {int((ctx + 1).sum())} tokens do not fit a ring buffer of "
-                             f"{offload.ring.tokens}")
+            raise ValueError(
+                f"decode contexts of {int((ctx + 1).sum())} tokens do not fit a ring buffer of {offload.ring.tokens}"
+            )
         slots = [offload.host_slots[int(r)] for r in rows]
         self.context_runs = [host_runs(s[:n]) for s, n in zip(slots, ctx.tolist())]
         self.new_rows = [(int(b + n), 1) for b, n in zip(self.bases, ctx)]
@@ -213,11 +236,18 @@ class DecodeJob:
         table = self.bases[:, None] + np.arange(max_len)[None]
         b = len(rows)
         self.ctx = ForwardContext(
-            num_extend_reqs=0, num_extend_tokens=0, req_to_token=offload.ints(table),
-            req_pool_indices=offload.ints(np.arange(b)), prefix_lens=offload.ints(ctx),
-            extend_lens=offload.ints(np.ones(b)), extend_start_loc=offload.ints(np.arange(b)),
-            seq_lens=offload.ints(ctx + 1), out_cache_loc=offload.ints(self.bases + ctx), max_extend_len=0,
-            max_seq_len=max_len)
+            num_extend_reqs=0,
+            num_extend_tokens=0,
+            req_to_token=offload.ints(table),
+            req_pool_indices=offload.ints(np.arange(b)),
+            prefix_lens=offload.ints(ctx),
+            extend_lens=offload.ints(np.ones(b)),
+            extend_start_loc=offload.ints(np.arange(b)),
+            seq_lens=offload.ints(ctx + 1),
+            out_cache_loc=offload.ints(self.bases + ctx),
+            max_extend_len=0,
+            max_seq_len=max_len,
+        )
         self.positions = torch.from_numpy(ctx).to(offload.device)
         self.hidden, self.residual = offload.model.embed_tokens(input_ids), None
 
@@ -226,6 +256,7 @@ class DecodeJob:
             host_k, host_v = self.o.host.layer(layer)
             for base, runs in zip(self.bases.tolist(), self.context_runs):
                 self.o.ring.load(b, base, host_k, host_v, runs)
+
         return fill
 
     def run(self, num_units: int) -> torch.Tensor | None:

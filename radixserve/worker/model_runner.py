@@ -3,13 +3,13 @@
 req_to_token has one writer, this runner: each step it derives every assignment from the batch (the new tokens'
 slots at their positions, plus the batch's reused_slots) and writes them in one scatter before the forward. The
 scheduler decides slots but holds no table (ReqToTokenPool says why). The pools' sizes are kv_pool_size.py's, the
-sampled tokens' logprobs sampled_logprobs.py's and prompt logprobs prompt_logprobs.py's."""
+sampled tokens' logprobs sampled_logprobs.py's and prompt logprobs prompt_logprobs.py's; what a step carries
+between the stages (StepInputs, SampledStep) is step_state.py's."""
 
 from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +19,8 @@ import kernels
 from radixserve.worker.kv_cache import KVCache, ReqToTokenPool
 from radixserve.worker.kv_pool_size import device_kv_slots, host_kv_tier
 from radixserve.worker.layerwise_offload import LayerwiseOffload
-from radixserve.config import ModelConfig, ServerArgs
+from radixserve.config import ServerArgs
+from radixserve.model_config import ModelConfig
 from radixserve.runtime.distributed import get_tp_rank, get_tp_size
 from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
 from radixserve.grammar import WorkerGrammars
@@ -30,6 +31,7 @@ from radixserve.models.registry import model_class
 from radixserve.worker.cuda_graph import DecodeCudaGraphs
 from radixserve.worker.prefill_cuda_graph import PrefillCudaGraphs
 from radixserve.worker.pinned_staging import PinnedStaging
+from radixserve.worker.step_state import SampledStep, StepInputs, batch_positions
 from radixserve.worker.prompt_logprobs import prompt_logprobs, wants_prompt_logprobs
 from radixserve.worker import sampled_logprobs
 from radixserve.protocol import ForwardBatch, SampledTokens, WorkerRequest, future_token_ring_size, unpack_i32
@@ -37,66 +39,34 @@ from radixserve.protocol import ForwardBatch, SampledTokens, WorkerRequest, futu
 logger = logging.getLogger(__name__)
 
 
-def batch_positions(prefix_lens: np.ndarray, extend_lens: np.ndarray) -> np.ndarray:
-    """Position of every new token: prefix_lens[i] + 0..extend_lens[i]-1, concatenated."""
-    starts = np.cumsum(extend_lens) - extend_lens
-    return (np.repeat(prefix_lens - starts, extend_lens) + np.arange(int(extend_lens.sum()))).astype(np.int64)
-
-
-@dataclass
-class StepInputs:
-    """A ForwardBatch unpacked once (ModelRunner.prepare): host arrays, device tensors, the attention layout."""
-    batch: ForwardBatch
-    rows: np.ndarray  # int32 req_to_token rows, batch order
-    prefix_lens: np.ndarray
-    extend_lens: np.ndarray
-    extend_start: np.ndarray  # each request's first new token in the flat batch
-    input_ids: torch.Tensor  # int64 [T], placeholders resolved
-    positions: torch.Tensor  # int64 [T]
-    last_index: torch.Tensor  # int64 [B]: each request's last new token
-    ctx: ForwardContext | None
-    decode_graph: bool = False  # decodes alone, replayed as one decode CUDA graph: then the host arrays below,
-    seq_lens: np.ndarray | None = None  # and input_ids / positions on the host too
-    new_slots: np.ndarray | None = None
-
-
-@dataclass
-class SampledStep:
-    """A step whose tokens are sampled on the device but not yet read back (ModelRunner.sample -> finish_step)."""
-    step: int
-    tokens: torch.Tensor | None  # on the host (pinned, being copied on a GPU); None: nothing sampled this step
-    logprobs: tuple | None  # on the host likewise: (chosen [B], top values [B, k], top ids [B, k]), or None
-    states: list[SamplingRequestState]
-    done: "torch.cuda.Event | None" = None  # recorded after the copies to the host (GPU): query() tells if they ran
-    prompt_logprobs: list = field(default_factory=list)  # PromptLogprobs computed by this step's forward
-
-    def ready(self) -> bool:
-        return self.done is None or self.done.query()
-
-
 class ModelRunner:
     def __init__(self, server_args: ServerArgs, model_dir: str | Path):
         self.args = server_args
         self.model_config = ModelConfig.from_dir(model_dir)
         self.model_config.check_tp(get_tp_size())
-        self.device = torch.device(server_args.device if server_args.device == "cpu"
-                                   else f"cuda:{torch.cuda.current_device()}")
+        self.device = torch.device(
+            server_args.device if server_args.device == "cpu" else f"cuda:{torch.cuda.current_device()}"
+        )
         self.dtype = server_args.torch_dtype
         self.context_len = self.model_config.context_len(server_args.context_length)
         # The rope table covers every position served (a --context-length past the config's: YaRN's scaled context).
         self.model_config.max_position_embeddings = max(self.model_config.max_position_embeddings, self.context_len)
         kernels.set_backend(server_args.kernel_backend)
         fused = not server_args.disable_fused_layer_kernels
-        kernels.configure(one_launch_decode=server_args.enable_one_launch_decode, fused_qkv=fused,
-                          gate_up_silu_max_rows=server_args.gate_up_silu_max_rows if fused else 0,
-                          skinny_linear_max_rows=server_args.skinny_linear_max_rows)
+        kernels.configure(
+            one_launch_decode=server_args.enable_one_launch_decode,
+            fused_qkv=fused,
+            gate_up_silu_max_rows=server_args.gate_up_silu_max_rows if fused else 0,
+            skinny_linear_max_rows=server_args.skinny_linear_max_rows,
+        )
 
         self.model = self._load_model(Path(model_dir))
         # Layer-wise offload's GPU buffers before the KV pool, which is sized from the memory left after them.
         self.offload = LayerwiseOffload(self) if server_args.enable_layerwise_offload else None
         cfg = self.model_config
-        self.num_kv_slots = device_kv_slots(server_args, cfg, self.dtype, self.device, self.context_len,
-                                            layerwise_offload=self.offload is not None)
+        self.num_kv_slots = device_kv_slots(
+            server_args, cfg, self.dtype, self.device, self.context_len, layerwise_offload=self.offload is not None
+        )
         kv_heads = cfg.kv_heads_per_rank(get_tp_size())
         self.kv_cache = KVCache(cfg.num_layers, self.num_kv_slots, kv_heads, cfg.head_dim, self.dtype, self.device)
         for i, layer in enumerate(self.model.model.layers):
@@ -109,39 +79,60 @@ class ModelRunner:
         self.sampler = Sampler(cfg.vocab_size, self.device, upload=self.staging.to_device)
         self.cpu_logits = None  # steady per-step memory on the CPU (radixserve/worker/cpu_logits.py)
         if self.device.type == "cpu" and server_args.cpu_logits_block_mib > 0 and get_tp_size() == 1:
-            self.cpu_logits = CpuLogits(cfg.vocab_size, server_args.max_running_requests,
-                                        server_args.cpu_logits_block_mib, self.dtype)
+            self.cpu_logits = CpuLogits(
+                cfg.vocab_size, server_args.max_running_requests, server_args.cpu_logits_block_mib, self.dtype
+            )
         self.request_states: dict[int, SamplingRequestState] = {}  # by req_pool_idx
-        self.grammars = WorkerGrammars(server_args.grammar_backend, server_args.tokenizer or model_dir,
-                                       cfg.vocab_size, cfg.eos_token_ids,
-                                       unroll_bounded_strings=not server_args.disable_grammar_string_unrolling)
+        self.grammars = WorkerGrammars(
+            server_args.grammar_backend,
+            server_args.tokenizer or model_dir,
+            cfg.vocab_size,
+            cfg.eos_token_ids,
+            unroll_bounded_strings=not server_args.disable_grammar_string_unrolling,
+        )
         # Overlapped scheduling: sampled tokens stay here for the next batch, whose placeholder ids refer to them.
-        self.future_tokens = torch.zeros(future_token_ring_size(server_args.max_running_requests), dtype=torch.int64,
-                                         device=self.device)
+        self.future_tokens = torch.zeros(
+            future_token_ring_size(server_args.max_running_requests), dtype=torch.int64, device=self.device
+        )
         self._prompt_logprobs: dict[int, list] = {}  # by step: computed in compute_logits, sent by finish_step
         # How many slices the grouped decode kernels cut each shared prefix into, from a step's real groups.
         tp = get_tp_size()
-        self.prefix_slices = functools.partial(kernels.prefix_slices, num_q_heads=self.model_config.num_heads // tp,
-                                               num_kv_heads=self.model_config.kv_heads_per_rank(tp),
-                                               dtype=self.dtype, device=self.device)
+        self.prefix_slices = functools.partial(
+            kernels.prefix_slices,
+            num_q_heads=self.model_config.num_heads // tp,
+            num_kv_heads=self.model_config.kv_heads_per_rank(tp),
+            dtype=self.dtype,
+            device=self.device,
+        )
         # Every extend kernel variant a step's makeup can select, compiled now rather than by the first step that
         # selects it (kernels.compile_extend_variants); metadata laid out as prepare()'s.
         attn = self.model.model.layers[0].self_attn.attn
-        meta, _ = self._to_device([np.zeros(1), np.zeros(1), np.ones(1), np.zeros(1)], [])
-        kernels.compile_extend_variants(attn.num_heads, self.dtype, attn.k_cache, attn.v_cache,
-                                        self.req_to_token_pool.table, *meta)
+        meta, _ = self.staging.to_device_packed([np.zeros(1), np.zeros(1), np.ones(1), np.zeros(1)], [])
+        kernels.compile_extend_variants(
+            attn.num_heads, self.dtype, attn.k_cache, attn.v_cache, self.req_to_token_pool.table, *meta
+        )
         self.cuda_graphs = None
         if self.device.type == "cuda" and not server_args.disable_cuda_graph:
-            self.cuda_graphs = DecodeCudaGraphs(self.model, self.req_to_token_pool.table, self.future_tokens,
-                                                self.context_len,
-                                                min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
-                                                grouped=not server_args.disable_shared_prefix_attention,
-                                                staging=self.staging, prefix_slices=self.prefix_slices)
+            self.cuda_graphs = DecodeCudaGraphs(
+                self.model,
+                self.req_to_token_pool.table,
+                self.future_tokens,
+                self.context_len,
+                min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
+                grouped=not server_args.disable_shared_prefix_attention,
+                staging=self.staging,
+                prefix_slices=self.prefix_slices,
+            )
         self.prefill_graphs = None
-        if (self.device.type == "cuda" and not server_args.disable_cuda_graph
-                and not server_args.disable_prefill_cuda_graph and server_args.prefill_cuda_graph_max_tokens > 0):
-            self.prefill_graphs = PrefillCudaGraphs(self.model, server_args.prefill_cuda_graph_max_tokens,
-                                                    self.req_to_token_pool.table)
+        if (
+            self.device.type == "cuda"
+            and not server_args.disable_cuda_graph
+            and not server_args.disable_prefill_cuda_graph
+            and server_args.prefill_cuda_graph_max_tokens > 0
+        ):
+            self.prefill_graphs = PrefillCudaGraphs(
+                self.model, server_args.prefill_cuda_graph_max_tokens, self.req_to_token_pool.table
+            )
 
     # ------------------------------------------------------------------ setup
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
@@ -174,51 +165,30 @@ class ModelRunner:
             if len(ids):
                 seen[self.staging.to_device(ids)] = True
         self.request_states[req.req_pool_idx] = SamplingRequestState(
-            params=p, eos_ids=self.model_config.eos_token_ids, num_outputs=len(outputs), output_counts=counts,
-            seen_mask=seen, grammar=self.grammars.matcher(p, outputs.tolist()))
-
-    def _to_device(self, ints: list[np.ndarray], longs: list[np.ndarray]) -> tuple[list, list]:
-        """Small host arrays, int32 and int64, on the device in one host-to-device copy (each copy costs a launch
-        and ~20 us of host time): views of one byte block, int64 parts first."""
-        # Every part starts 16-byte aligned: Triton compiles a kernel variant per alignment of each pointer argument,
-        # and parts at offsets that follow the batch size made new variants (and a compile mid-serving) appear as the
-        # batch size changed.
-        arrays = [np.asarray(a, dtype=np.int64) for a in longs] + [np.asarray(a, dtype=np.int32) for a in ints]
-        sizes = [-(-a.nbytes // 16) * 16 for a in arrays]
-        offsets = np.cumsum([0] + sizes[:-1]).tolist()
-        block = np.zeros(sum(sizes), dtype=np.uint8)
-        for offset, a in zip(offsets, arrays):
-            block[offset:offset + a.nbytes] = a.view(np.uint8)
-        device = self.staging.to_device(block)
-        parts = [device[o:o + a.nbytes].view(torch.int64 if a.itemsize == 8 else torch.int32)
-                 for o, a in zip(offsets, arrays)]
-        return parts[len(longs):], parts[:len(longs)]
-
-    def _req_to_token_writes(self, batch: ForwardBatch, rows, prefix_lens, extend_lens, new_slots):
-        """Every req_to_token assignment the batch implies, as (flat index, slot) arrays: the new tokens' slots at
-        prefix_len.., then the reused slots (cached prefixes, ranges re-pointed at the tree's copy). Later entries
-        win, which never matters: a step's reused ranges and new tokens do not overlap."""
-        pool = self.req_to_token_pool
-        index = pool.flat_index(rows, prefix_lens, extend_lens)
-        if not batch.reused_slots:
-            return index, new_slots
-        reused = []
-        for r in batch.reused_slots:
-            reused.append(unpack_i32(r.slots) if r.source < 0 else reused[r.source])  # (sent once, ReusedSlots)
-        reused_index = pool.flat_index([r.req_pool_idx for r in batch.reused_slots],
-                                       [r.start for r in batch.reused_slots], [len(s) for s in reused])
-        return np.concatenate([index, reused_index]), np.concatenate([new_slots, *reused])
+            params=p,
+            eos_ids=self.model_config.eos_token_ids,
+            num_outputs=len(outputs),
+            output_counts=counts,
+            seen_mask=seen,
+            grammar=self.grammars.matcher(p, outputs.tolist()),
+        )
 
     def _decode_groups(self, batch: ForwardBatch, num_extend: int) -> DecodeGroups | None:
         """The batch's prefix groups as the grouped decode kernel takes them (one host-to-device copy)."""
         if batch.prefix_groups is None:
             return None
-        flat, max_prefix_len, max_group_size = pack_decode_groups(batch.prefix_groups, num_extend,
-                                                                  slices=self.prefix_slices)
+        flat, max_prefix_len, max_group_size = pack_decode_groups(
+            batch.prefix_groups, num_extend, slices=self.prefix_slices
+        )
         num_groups = len(unpack_i32(batch.prefix_groups.prefix_lens))
-        return DecodeGroups.view(self.staging.to_device(flat), num_groups,
-                                 len(unpack_i32(batch.req_pool_indices)) - num_extend, max_prefix_len,
-                                 max_group_size, max_prefix_splits=int(flat[-1]))
+        return DecodeGroups.view(
+            self.staging.to_device(flat),
+            num_groups,
+            len(unpack_i32(batch.req_pool_indices)) - num_extend,
+            max_prefix_len,
+            max_group_size,
+            max_prefix_splits=int(flat[-1]),
+        )
 
     def prepare(self, batch: ForwardBatch, all_positions: bool = False) -> StepInputs:
         """Unpack the batch once: host-tier copies queued, new requests registered, and then either the host arrays
@@ -238,22 +208,41 @@ class ModelRunner:
         # replays a decode graph instead of launching the extend path's kernels one by one.
         not_decode = np.flatnonzero(extend_lens != 1)
         num_extend = int(not_decode[-1]) + 1 if len(not_decode) else 0
-        if num_extend == 0 and not all_positions and self.cuda_graphs is not None \
-                and self.cuda_graphs.fits(len(rows)):
+        if num_extend == 0 and not all_positions and self.cuda_graphs is not None and self.cuda_graphs.fits(len(rows)):
             if batch.reused_slots:  # (the graph writes the new tokens' slots; ranges re-pointed at the tree here)
-                self._write_req_to_token(*self._req_to_token_writes(batch, rows[:0], prefix_lens[:0],
-                                                                    extend_lens[:0], new_slots[:0]))
-            return StepInputs(batch, rows, prefix_lens, extend_lens, None, host_input_ids, prefix_lens, None, None,
-                              decode_graph=True, seq_lens=seq_lens, new_slots=new_slots)
+                self._write_req_to_token(
+                    *self.req_to_token_pool.batch_writes(
+                        batch.reused_slots, rows[:0], prefix_lens[:0], extend_lens[:0], new_slots[:0]
+                    )
+                )
+            return StepInputs(
+                batch,
+                rows,
+                prefix_lens,
+                extend_lens,
+                None,
+                host_input_ids,
+                prefix_lens,
+                None,
+                None,
+                decode_graph=True,
+                seq_lens=seq_lens,
+                new_slots=new_slots,
+            )
 
         positions = batch_positions(prefix_lens, extend_lens)
         extend_start = (np.cumsum(extend_lens) - extend_lens).astype(np.int32)
         last_index = extend_start + extend_lens - 1
-        table_index, table_slots = self._req_to_token_writes(batch, rows, prefix_lens, extend_lens, new_slots)
-        (rows_t, prefix_t, extend_t, start_t, seq_lens_t, table_slots_t), \
-            (input_ids, positions_t, table_index_t, last_index_t) = self._to_device(
-                [rows, prefix_lens, extend_lens, extend_start, seq_lens, table_slots],
-                [host_input_ids, positions, table_index, last_index])
+        table_index, table_slots = self.req_to_token_pool.batch_writes(
+            batch.reused_slots, rows, prefix_lens, extend_lens, new_slots
+        )
+        (
+            (rows_t, prefix_t, extend_t, start_t, seq_lens_t, table_slots_t),
+            (input_ids, positions_t, table_index_t, last_index_t),
+        ) = self.staging.to_device_packed(
+            [rows, prefix_lens, extend_lens, extend_start, seq_lens, table_slots],
+            [host_input_ids, positions, table_index, last_index],
+        )
         if (host_input_ids < 0).any():
             # Placeholders (-(index + 1)) of tokens the previous step sampled: resolved here, with no host sync.
             input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids - 1).clamp_(min=0)], input_ids)
@@ -268,17 +257,18 @@ class ModelRunner:
             extend_lens=extend_t,
             extend_start_loc=start_t,
             seq_lens=seq_lens_t,
-            out_cache_loc=table_slots_t[:len(new_slots)],
+            out_cache_loc=table_slots_t[: len(new_slots)],
             max_extend_len=int(extend_lens[:num_extend].max(initial=0)),
             max_seq_len=int(seq_lens[num_extend:].max(initial=0)),
             decode_groups=self._decode_groups(batch, num_extend),
         )
-        return StepInputs(batch, rows, prefix_lens, extend_lens, extend_start, input_ids, positions_t, last_index_t,
-                          ctx)
+        return StepInputs(
+            batch, rows, prefix_lens, extend_lens, extend_start, input_ids, positions_t, last_index_t, ctx
+        )
 
     def _write_req_to_token(self, table_index: np.ndarray, table_slots: np.ndarray) -> None:
         if len(table_index):
-            (slots_t,), (index_t,) = self._to_device([table_slots], [table_index])
+            (slots_t,), (index_t,) = self.staging.to_device_packed([table_slots], [table_index])
             self.req_to_token_pool.write(index_t, slots_t)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
@@ -300,16 +290,24 @@ class ModelRunner:
             return self.offload.compute_logits(batch)
         inputs = self.prepare(batch, all_positions)
         if inputs.decode_graph:  # the whole step, req_to_token writes and LM head included, in one replay
-            return self.cuda_graphs.replay(inputs.input_ids, inputs.positions, inputs.rows, inputs.seq_lens,
-                                           inputs.new_slots, batch.prefix_groups)
+            return self.cuda_graphs.replay(
+                inputs.input_ids, inputs.positions, inputs.rows, inputs.seq_lens, inputs.new_slots, batch.prefix_groups
+            )
         return self.logits(inputs, self.run_model(inputs), all_positions)
 
     def logits(self, inputs: StepInputs, hidden: torch.Tensor, all_positions: bool = False) -> torch.Tensor:
         """The LM head over each request's last new token (or every token), prompt logprobs on the way."""
         if all_positions:
             return self.model.compute_logits(hidden)
-        self._compute_prompt_logprobs(inputs.batch, hidden, inputs.rows, inputs.prefix_lens, inputs.extend_lens,
-                                      inputs.extend_start, inputs.ctx.num_extend_reqs)
+        self._compute_prompt_logprobs(
+            inputs.batch,
+            hidden,
+            inputs.rows,
+            inputs.prefix_lens,
+            inputs.extend_lens,
+            inputs.extend_start,
+            inputs.ctx.num_extend_reqs,
+        )
         hidden = hidden[inputs.last_index]
         if self.cpu_logits is not None:
             return self.cpu_logits.compute(self.model.lm_head, hidden)
@@ -320,8 +318,9 @@ class ModelRunner:
         if not any(s is not None and wants_prompt_logprobs(s) for s in states):
             return
         sample_mask = np.frombuffer(batch.sample_mask, dtype=np.uint8)
-        found = prompt_logprobs(self.model, hidden, unpack_i32(batch.input_ids), states, prefix_lens, extend_lens,
-                                extend_start, sample_mask)
+        found = prompt_logprobs(
+            self.model, hidden, unpack_i32(batch.input_ids), states, prefix_lens, extend_lens, extend_start, sample_mask
+        )
         if found:
             self._prompt_logprobs[batch.step] = found
 
@@ -353,20 +352,21 @@ class ModelRunner:
         # The states themselves, not their rows: the next batch may already have given a row to a new request.
         states = [self.request_states[int(r)] for r in rows]
         if self.cpu_logits is not None:
-            tokens, logprobs = self.cpu_logits.sample(self.sampler, logits, np.flatnonzero(mask), states,
-                                                      seq_lens.tolist())
+            tokens, logprobs = self.cpu_logits.sample(
+                self.sampler, logits, np.flatnonzero(mask), states, seq_lens.tolist()
+            )
         else:
             logits = logits[self.staging.to_device(np.flatnonzero(mask))] if not mask.all() else logits
             tokens, logprobs = self.sampler(logits, states, seq_lens.tolist())
         if batch.future_token_base >= 0:  # the ring's slots base, base + 1, ... (wrapping at its end)
             base, size = batch.future_token_base, len(self.future_tokens)
             head = min(len(rows), size - base)
-            self.future_tokens[base:base + head].copy_(tokens[:head])
+            self.future_tokens[base : base + head].copy_(tokens[:head])
             if head < len(rows):
-                self.future_tokens[:len(rows) - head].copy_(tokens[head:])
+                self.future_tokens[: len(rows) - head].copy_(tokens[head:])
         for i, state in enumerate(states):
             if state.output_counts is not None or state.seen_mask is not None:
-                state.record_on_device(tokens[i:i + 1])
+                state.record_on_device(tokens[i : i + 1])
         chosen_logprobs = sampled_logprobs.pick(logprobs, tokens, states)
         host_tokens = tokens.to("cpu", non_blocking=True)  # into pinned memory on a GPU; itself on the CPU
         if chosen_logprobs is not None:
@@ -388,6 +388,9 @@ class ModelRunner:
         token_array = step.tokens.numpy()
         for state, token in zip(step.states, token_array.tolist()):
             state.on_sampled(token)
-        return SampledTokens(step=step.step, token_ids=token_array.astype(np.int32).tobytes(),
-                             logprobs=sampled_logprobs.entries(step.logprobs, step.states),
-                             prompt_logprobs=step.prompt_logprobs)
+        return SampledTokens(
+            step=step.step,
+            token_ids=token_array.astype(np.int32).tobytes(),
+            logprobs=sampled_logprobs.entries(step.logprobs, step.states),
+            prompt_logprobs=step.prompt_logprobs,
+        )

@@ -76,9 +76,16 @@ class PrefillCudaGraphs:
         start = time.perf_counter()
         self._capture_all()
         self.capture_seconds = time.perf_counter() - start
-        logger.info("captured %d piecewise prefill CUDA graphs (%d pieces x %d token buckets up to %d) and %d of "
-                    "a lone chunk's whole forward in %.1f s", sum(map(len, self.graphs.values())), self.num_layers + 1,
-                    len(self.buckets), self.max_tokens, len(self.whole), self.capture_seconds)
+        logger.info(
+            "captured %d piecewise prefill CUDA graphs (%d pieces x %d token buckets up to %d) and %d of "
+            "a lone chunk's whole forward in %.1f s",
+            sum(map(len, self.graphs.values())),
+            self.num_layers + 1,
+            len(self.buckets),
+            self.max_tokens,
+            len(self.whole),
+            self.capture_seconds,
+        )
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_tokens
@@ -98,16 +105,35 @@ class PrefillCudaGraphs:
 
     def _lone_context(self, b: int) -> ForwardContext:
         lone = self.lone
-        return ForwardContext(num_extend_reqs=1, num_extend_tokens=b, req_to_token=self.req_to_token,
-                              req_pool_indices=lone[0:1], prefix_lens=lone[1:2], extend_lens=lone[2:3],
-                              extend_start_loc=self.lone_start, seq_lens=lone[3:4],
-                              out_cache_loc=self.out_cache_loc[:b], max_extend_len=b, max_seq_len=0)
+        return ForwardContext(
+            num_extend_reqs=1,
+            num_extend_tokens=b,
+            req_to_token=self.req_to_token,
+            req_pool_indices=lone[0:1],
+            prefix_lens=lone[1:2],
+            extend_lens=lone[2:3],
+            extend_start_loc=self.lone_start,
+            seq_lens=lone[3:4],
+            out_cache_loc=self.out_cache_loc[:b],
+            max_extend_len=b,
+            max_seq_len=0,
+        )
 
     def _capture_context(self, b: int) -> ForwardContext:
         empty = self.out_cache_loc[:0]
-        return ForwardContext(num_extend_reqs=0, num_extend_tokens=0, req_to_token=self.req_to_token,
-                              req_pool_indices=empty, prefix_lens=empty, extend_lens=empty, extend_start_loc=empty,
-                              seq_lens=empty, out_cache_loc=self.out_cache_loc[:b], max_extend_len=0, max_seq_len=0)
+        return ForwardContext(
+            num_extend_reqs=0,
+            num_extend_tokens=0,
+            req_to_token=self.req_to_token,
+            req_pool_indices=empty,
+            prefix_lens=empty,
+            extend_lens=empty,
+            extend_start_loc=empty,
+            seq_lens=empty,
+            out_cache_loc=self.out_cache_loc[:b],
+            max_extend_len=0,
+            max_seq_len=0,
+        )
 
     @torch.inference_mode()
     def _capture_all(self) -> None:

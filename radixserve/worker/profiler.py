@@ -24,8 +24,9 @@ class StepProfiler:
         directory = os.environ.get("RADIXSERVE_PROFILE_DIR")
         self.path = Path(directory) / f"rank{rank}.txt" if directory else None
         self.skip = int(os.environ.get("RADIXSERVE_PROFILE_SKIP", "50"))
-        self.trigger = self.path.parent / "start" if self.path and os.environ.get("RADIXSERVE_PROFILE_TRIGGER") \
-            else None
+        self.trigger = (
+            self.path.parent / "start" if self.path and os.environ.get("RADIXSERVE_PROFILE_TRIGGER") else None
+        )
         self.count = int(os.environ.get("RADIXSERVE_PROFILE_STEPS", "30"))
         self.steps = 0
         self.profiler = None
@@ -72,8 +73,11 @@ class StepProfiler:
 
 def gpu_busy_share(events) -> float:
     """The union of the device's kernel and copy intervals over the span from the first to the last of them."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
     if not spans:
         return 0.0
     busy, start, end = 0.0, spans[0][0], spans[0][1]

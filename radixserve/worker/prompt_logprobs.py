@@ -32,13 +32,22 @@ def _entries(logprobs: torch.Tensor, targets: torch.Tensor, k: int) -> list[Toke
     top_vals, top_ids = logprobs.topk(max(k, 1), dim=-1)
     top_vals = top_vals[:, :k].cpu().numpy().astype(np.float32)
     top_ids = top_ids[:, :k].cpu().numpy().astype(np.int32)
-    return [TokenLogprobs(logprob=chosen[j], top_ids=top_ids[j].tobytes(), top_logprobs=top_vals[j].tobytes())
-            for j in range(len(chosen))]
+    return [
+        TokenLogprobs(logprob=chosen[j], top_ids=top_ids[j].tobytes(), top_logprobs=top_vals[j].tobytes())
+        for j in range(len(chosen))
+    ]
 
 
-def prompt_logprobs(model, hidden: torch.Tensor, input_ids: np.ndarray, states: list[SamplingRequestState | None],
-                    prefix_lens: np.ndarray, extend_lens: np.ndarray, extend_start: np.ndarray,
-                    sample_mask: np.ndarray) -> list[PromptLogprobs]:
+def prompt_logprobs(
+    model,
+    hidden: torch.Tensor,
+    input_ids: np.ndarray,
+    states: list[SamplingRequestState | None],
+    prefix_lens: np.ndarray,
+    extend_lens: np.ndarray,
+    extend_start: np.ndarray,
+    sample_mask: np.ndarray,
+) -> list[PromptLogprobs]:
     """For every request of the batch's extend part whose state wants prompt logprobs (states[i] None: not one of
     them): the logprobs of the prompt tokens this step makes known. hidden: [tokens, hidden] of every position."""
     out = []
@@ -48,7 +57,7 @@ def prompt_logprobs(model, hidden: torch.Tensor, input_ids: np.ndarray, states: 
             continue
         k = state.params.prompt_logprobs
         start, n, prefix = int(extend_start[i]), int(extend_lens[i]), int(prefix_lens[i])
-        ids = torch.from_numpy(input_ids[start:start + n].astype(np.int64)).to(device)
+        ids = torch.from_numpy(input_ids[start : start + n].astype(np.int64)).to(device)
         entries: list[TokenLogprobs] = []
         first_position = prefix + 1
         carry = state.prompt_logprob_carry
@@ -60,10 +69,10 @@ def prompt_logprobs(model, hidden: torch.Tensor, input_ids: np.ndarray, states: 
         rows = n - 1 if last_chunk else n  # the last chunk's last row predicts an output token
         for lo in range(0, rows, ROWS_PER_SLICE):
             hi = min(rows, lo + ROWS_PER_SLICE)
-            logprobs = torch.log_softmax(model.compute_logits(hidden[start + lo:start + hi]).float(), dim=-1)
+            logprobs = torch.log_softmax(model.compute_logits(hidden[start + lo : start + hi]).float(), dim=-1)
             known = min(hi, n - 1) - lo  # rows whose next token is in this chunk
             if known > 0:
-                entries += _entries(logprobs[:known], ids[lo + 1:lo + 1 + known], k)
+                entries += _entries(logprobs[:known], ids[lo + 1 : lo + 1 + known], k)
             if not last_chunk and hi == n:
                 state.prompt_logprob_carry = (prefix + n, logprobs[-1].clone())
         if entries:

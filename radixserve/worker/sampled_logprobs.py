@@ -14,8 +14,9 @@ from radixserve.layers.sampler import SamplingRequestState
 from radixserve.protocol import TokenLogprobs
 
 
-def pick(logprobs: torch.Tensor | None, tokens: torch.Tensor,
-         states: list[SamplingRequestState]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def pick(
+    logprobs: torch.Tensor | None, tokens: torch.Tensor, states: list[SamplingRequestState]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """On the device: each row's logprob of its token and the top-k (k the largest any row asks for), or None."""
     if logprobs is None:
         return None
@@ -37,6 +38,11 @@ def entries(logprobs: tuple | None, states: list[SamplingRequestState]) -> list[
         if k is None:
             out.append(None)
             continue
-        out.append(TokenLogprobs(logprob=chosen[i], top_ids=top_ids[i, :k].tobytes(),
-                                 top_logprobs=top_vals[i, :k].astype(np.float32).tobytes()))
+        out.append(
+            TokenLogprobs(
+                logprob=chosen[i],
+                top_ids=top_ids[i, :k].tobytes(),
+                top_logprobs=top_vals[i, :k].astype(np.float32).tobytes(),
+            )
+        )
     return out

@@ -20,26 +20,35 @@ from radixserve.worker.step_pipeline import StepPipeline
 logger = logging.getLogger(__name__)
 
 
-def run_worker(args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready, rank: str,
-               dist_init_method: str) -> None:
+def run_worker(
+    args: ServerArgs, model_dir: str, endpoints: Endpoints, on_ready, rank: str, dist_init_method: str
+) -> None:
     rank = int(rank)
     if args.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     init_tensor_parallel(rank, args.tp_size, dist_init_method, args.device)
     runner = ModelRunner(args, model_dir)
     ctx = zmq.Context()
-    from_scheduler = Channel(ctx, zmq.PULL, endpoints.scheduler_to_worker(rank), bind=False,
-                             recv_type=SchedulerToWorker)
+    from_scheduler = Channel(
+        ctx, zmq.PULL, endpoints.scheduler_to_worker(rank), bind=False, recv_type=SchedulerToWorker
+    )
     to_scheduler = Channel(ctx, zmq.PUSH, endpoints.workers_to_scheduler, bind=False)
-    to_scheduler.send(WorkerReady(rank=rank, num_kv_slots=runner.num_kv_slots, context_len=runner.context_len,
-                                  num_host_slots=runner.num_host_slots))
+    to_scheduler.send(
+        WorkerReady(
+            rank=rank,
+            num_kv_slots=runner.num_kv_slots,
+            context_len=runner.context_len,
+            num_host_slots=runner.num_host_slots,
+        )
+    )
     on_ready({"num_kv_slots": runner.num_kv_slots, "device": str(runner.device)})
     logger.info("rank %d ready: %d KV slots, context %d", rank, runner.num_kv_slots, runner.context_len)
     profiler = StepProfiler(rank)
     pipeline = StepPipeline(runner)  # (why the next forward is queued before this step is read back: there)
     while True:
-        message = from_scheduler.recv() if pipeline.in_flight is None else _next_batch_while_busy(from_scheduler,
-                                                                                                     pipeline)
+        message = (
+            from_scheduler.recv() if pipeline.in_flight is None else _next_batch_while_busy(from_scheduler, pipeline)
+        )
         if message is None:  # nothing else queued: report the step in flight
             _report(pipeline.finish(), rank, to_scheduler)
             continue

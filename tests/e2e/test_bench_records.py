@@ -35,8 +35,14 @@ def test_throughput_refuses_fewer_than_three_runs():
 
 
 def test_summary_is_median_and_spread():
-    assert summarize([10.0, 12.0, 11.0]) == {"median": 11.0, "min": 10.0, "max": 12.0, "spread_pct": 18.2,
-                                             "runs": [10.0, 12.0, 11.0]}
-    rows = summarize_rows([{"seconds": 4.0, "mode": "radix"}, {"seconds": 5.0, "mode": "radix"},
-                           {"seconds": 3.0, "mode": "radix"}])
+    assert summarize([10.0, 12.0, 11.0]) == {
+        "median": 11.0,
+        "min": 10.0,
+        "max": 12.0,
+        "spread_pct": 18.2,
+        "runs": [10.0, 12.0, 11.0],
+    }
+    rows = summarize_rows(
+        [{"seconds": 4.0, "mode": "radix"}, {"seconds": 5.0, "mode": "radix"}, {"seconds": 3.0, "mode": "radix"}]
+    )
     assert rows["seconds"]["median"] == 4.0 and rows["mode"] == "radix"

@@ -35,9 +35,19 @@ FLOOD_PROMPTS, FLOOD_TOKENS = 16, 100  # 800 tokens through each replica's 640-t
 def server(tmp_path_factory):
     pins = tmp_path_factory.mktemp("pins") / "pins.jsonl"
     pins.write_text(json.dumps({"messages": SYSTEM}) + "\n")
-    with launched_server(tiny_model_dir("llama"), "--dp-size", str(DP), "--load-balance-method", "round_robin",
-                         "--max-total-tokens", str(POOL_TOKENS), "--max-pinned-tokens", str(MAX_PINNED),
-                         "--pin-prompts", str(pins)) as server:
+    with launched_server(
+        tiny_model_dir("llama"),
+        "--dp-size",
+        str(DP),
+        "--load-balance-method",
+        "round_robin",
+        "--max-total-tokens",
+        str(POOL_TOKENS),
+        "--max-pinned-tokens",
+        str(MAX_PINNED),
+        "--pin-prompts",
+        str(pins),
+    ) as server:
         yield server
 
 
@@ -56,8 +66,18 @@ def assert_each_replica_idle_and_sound(server) -> None:
     server.assert_idle_kv_invariant()
     info = server.server_info()
     for i in range(DP):
-        r = {key: info[f"dp{i}_{key}"] for key in ("kv_invariant_ok", "kv_owned", "kv_protected", "kv_pinned",
-                                                   "kv_free", "kv_evictable", "kv_total")}
+        r = {
+            key: info[f"dp{i}_{key}"]
+            for key in (
+                "kv_invariant_ok",
+                "kv_owned",
+                "kv_protected",
+                "kv_pinned",
+                "kv_free",
+                "kv_evictable",
+                "kv_total",
+            )
+        }
         assert r["kv_invariant_ok"] and r["kv_owned"] == 0 and r["kv_protected"] == r["kv_pinned"], (i, r)
         assert r["kv_free"] + r["kv_evictable"] + r["kv_pinned"] == r["kv_total"] == POOL_TOKENS, (i, r)
 
@@ -68,8 +88,10 @@ def test_startup_pin_is_on_every_replica_and_listed_once(http, server):
     assert per_replica(server, "num_pins") == [1, 1] and server.server_info()["num_pins"] == 1
     served = per_replica(server, "cached_prompt_tokens")
     for _ in range(DP):  # round_robin: one request on each replica
-        chat = http.post("/v1/chat/completions", json={
-            "messages": [*SYSTEM, {"role": "user", "content": "hello"}], "max_tokens": 1, "temperature": 0})
+        chat = http.post(
+            "/v1/chat/completions",
+            json={"messages": [*SYSTEM, {"role": "user", "content": "hello"}], "max_tokens": 1, "temperature": 0},
+        )
         assert chat.status_code == 200, chat.text
         assert chat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= listed[0]["num_tokens"]
     after = per_replica(server, "cached_prompt_tokens")
@@ -118,8 +140,9 @@ def test_unpin_removes_it_everywhere(http, server):
 
 def test_pin_over_the_bound_gets_409_and_pins_nothing_anywhere(http, server):
     before = (set(pins(http)), per_replica(server, "num_pins"), per_replica(server, "kv_pinned"))
-    assert_error_response(http.post("/v1/cache/pin", json={"input_ids": prompt_ids(40, MAX_PINNED + 1)}), 409,
-                          "--max-pinned-tokens")
+    assert_error_response(
+        http.post("/v1/cache/pin", json={"input_ids": prompt_ids(40, MAX_PINNED + 1)}), 409, "--max-pinned-tokens"
+    )
     # Computed on both replicas, found over the bound there (the kept 120 + the start-up pin + 200 > 300), undone.
     assert_error_response(http.post("/v1/cache/pin", json={"input_ids": prompt_ids(41, 200)}), 409, "300")
     assert (set(pins(http)), per_replica(server, "num_pins"), per_replica(server, "kv_pinned")) == before
@@ -155,11 +178,16 @@ def test_controller_undoes_a_pin_that_one_replica_refused():
 
     # A pin all replicas made; its TTL has run out on replica 0 only: listed with the replicas that hold it.
     pins.from_front(PinPrefixRequest("r2", pack_i32([1])))
-    made = [pins.from_replica(i, PinsReply("r2", 200, "", [entry(f"b{i}", 1.0 + i, 100.0 + i)], 1))[1]
-            for i in range(3)][-1]
+    made = [
+        pins.from_replica(i, PinsReply("r2", 200, "", [entry(f"b{i}", 1.0 + i, 100.0 + i)], 1))[1] for i in range(3)
+    ][-1]
     pin_id = made.pins[0].id
-    assert (made.status, made.pins[0].replicas, made.pins[0].created_at, made.pins[0].expires_at) == (200, [0, 1, 2],
-                                                                                                     3.0, 102.0)
+    assert (made.status, made.pins[0].replicas, made.pins[0].created_at, made.pins[0].expires_at) == (
+        200,
+        [0, 1, 2],
+        3.0,
+        102.0,
+    )
     pins.from_front(ListPinsRequest("r3"))
     held = [[], [entry("b1", 2.0, 101.0)], [entry("b2", 3.0, 102.0), entry("stray")]]
     listed = [pins.from_replica(i, PinsReply("r3", 200, "", held[i], 1))[1] for i in range(3)][-1]

@@ -105,8 +105,10 @@ def test_two_replicas_hit_the_cache_like_one(method):
         assert info["dp0_prefill_tokens_computed"] > 0 and info["dp1_prefill_tokens_computed"] > 0
         assert engine.flush_cache()
         assert engine.server_info()["kv_evictable"] == 0  # every replica's tree is empty
-    print(f"\nprompt-token hit rate, {GROUPS} groups x {PER_GROUP}: one replica {one:.3f}, "
-          f"two replicas ({method}) {two:.3f}")
+    print(
+        f"\nprompt-token hit rate, {GROUPS} groups x {PER_GROUP}: one replica {one:.3f}, "
+        f"two replicas ({method}) {two:.3f}"
+    )
     if method == "cache_aware":
         assert two >= 0.95 * one, (one, two)
 
@@ -116,12 +118,22 @@ def test_get_load_has_one_entry_per_replica():
     from tokenizer_service.routes_router import replica_loads
     from radixserve.config import ServerArgs
 
-    replica = {"num_running": 2, "num_waiting": 1, "kv_owned": 40, "kv_protected": 8, "kv_total": 100,
-               "prefill_tokens_computed": 5, "cached_prompt_tokens": 7, "kv_invariant_ok": True}
-    merged = merge_server_info([replica, {**replica, "num_running": 0, "kv_owned": 0}],
-                               ServerArgs(device="cpu", dp_size=2))
+    replica = {
+        "num_running": 2,
+        "num_waiting": 1,
+        "kv_owned": 40,
+        "kv_protected": 8,
+        "kv_total": 100,
+        "prefill_tokens_computed": 5,
+        "cached_prompt_tokens": 7,
+        "kv_invariant_ok": True,
+    }
+    merged = merge_server_info(
+        [replica, {**replica, "num_running": 0, "kv_owned": 0}], ServerArgs(device="cpu", dp_size=2)
+    )
     assert merged["num_running"] == 2 and merged["kv_total"] == 200 and merged["dp_size"] == 2
     assert replica_loads(merged, 2) == [
         {"dp_rank": 0, "num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 48},
-        {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 1, "num_tokens": 8}]
+        {"dp_rank": 1, "num_reqs": 1, "num_waiting_reqs": 1, "num_tokens": 8},
+    ]
     assert replica_loads(replica, 1) == [{"dp_rank": 0, "num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 48}]

@@ -36,9 +36,12 @@ NO_EOS = {"ignore_eos": True}  # the tiny model samples freely and may end early
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory):
     store, logs = tmp_path_factory.mktemp("dynamo-store"), tmp_path_factory.mktemp("dynamo-logs")
-    procs = {"a": Worker(store, logs, "worker-a", "--max-total-tokens", "8192"),
-             "b": Worker(store, logs, "worker-b", "--max-total-tokens", "8192"),
-             "kv": Frontend(store, logs, "kv"), "rr": Frontend(store, logs, "round-robin")}
+    procs = {
+        "a": Worker(store, logs, "worker-a", "--max-total-tokens", "8192"),
+        "b": Worker(store, logs, "worker-b", "--max-total-tokens", "8192"),
+        "kv": Frontend(store, logs, "kv"),
+        "rr": Frontend(store, logs, "round-robin"),
+    }
     try:
         for name in ("a", "b"):
             wait_for(procs[name].ready, f"worker {name}", 180)
@@ -73,8 +76,16 @@ def interleaved(systems: list[str], rounds: int, tag: str, seed: int = 1) -> lis
     for r in range(rounds):
         groups = list(range(len(systems)))
         rng.shuffle(groups)
-        order += [(g, [{"role": "system", "content": systems[g]},
-                       {"role": "user", "content": f"{tag} question {r} for group {g}?"}]) for g in groups]
+        order += [
+            (
+                g,
+                [
+                    {"role": "system", "content": systems[g]},
+                    {"role": "user", "content": f"{tag} question {r} for group {g}?"},
+                ],
+            )
+            for g in groups
+        ]
     return order
 
 
@@ -102,24 +113,34 @@ def test_openai_routes_through_the_frontend(deployment):
     procs, _, _ = deployment
     c = client(procs["kv"])
     assert [m.id for m in c.models.list().data] == [MODEL]
-    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                     extra_body=NO_EOS)
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, extra_body=NO_EOS
+    )
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 5
     assert chat.choices[0].message.content
     completion = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, extra_body=NO_EOS)
     assert completion.usage.completion_tokens == 4 and completion.choices[0].text
-    streamed = [ch.choices[0].text for ch in c.completions.create(model=MODEL, prompt="Once", max_tokens=4,
-                                                                  stream=True, extra_body=NO_EOS) if ch.choices]
+    streamed = [
+        ch.choices[0].text
+        for ch in c.completions.create(model=MODEL, prompt="Once", max_tokens=4, stream=True, extra_body=NO_EOS)
+        if ch.choices
+    ]
     assert "".join(streamed)
     logprobs = c.completions.create(model=MODEL, prompt="Once", max_tokens=3, logprobs=2, extra_body=NO_EOS)
     assert len(logprobs.choices[0].logprobs.token_logprobs) == 3
     # response_format: radixserve's grammar holds the reply to the schema (Dynamo sends it as guided_decoding.json).
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
-              "additionalProperties": False}
-    reply = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "A city, as JSON."}],
-                                      max_tokens=40,
-                                      response_format={"type": "json_schema",
-                                                       "json_schema": {"name": "city", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    reply = c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "A city, as JSON."}],
+        max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}},
+    )
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
     # Stop strings reach radixserve's scheduler, which stops there (fewer tokens); the frontend cuts them from the
     # text. (With ignore_eos, Dynamo's frontend drops every stop condition.)
@@ -136,8 +157,10 @@ def test_openai_routes_through_the_frontend(deployment):
     # cache_salt end to end: the router hashes a salted prompt with its salt, so the second request of tenant t1
     # goes where t1's blocks are and finds them; tenant t2 and the shared cache see none of them.
     prompt = "Tenant data that must stay private: " + "alpha beta gamma delta " * 20
-    usage = [c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt}).usage
-             for salt in ("t1", "t1", "t2")]
+    usage = [
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt}).usage
+        for salt in ("t1", "t1", "t2")
+    ]
     usage.append(c.completions.create(model=MODEL, prompt=prompt, max_tokens=1).usage)
     cached = [u.prompt_tokens_details.cached_tokens for u in usage]
     assert cached[0] == 0 and cached[1] == usage[1].prompt_tokens - 1 and cached[2:] == [0, 0]
@@ -154,8 +177,10 @@ def test_kv_router_hit_rate_against_one_worker_and_round_robin(deployment):
     served = [a.info()["cached_prompt_tokens"], b.info()["cached_prompt_tokens"]]
     flush(a, b)
     rr = hit_rate(run(procs["rr"], requests))
-    print(f"\nprompt-token hit rate, {GROUPS} groups x {ROUNDS} interleaved: one worker {single:.3f} | "
-          f"Dynamo KV router {kv:.3f} ({kv / single:.1%} of one worker's) | round robin {rr:.3f}")
+    print(
+        f"\nprompt-token hit rate, {GROUPS} groups x {ROUNDS} interleaved: one worker {single:.3f} | "
+        f"Dynamo KV router {kv:.3f} ({kv / single:.1%} of one worker's) | round robin {rr:.3f}"
+    )
     assert kv >= 0.95 * single
     assert min(served) > 0  # both workers served cached prefixes: the router spread the groups
     assert rr < kv
@@ -177,8 +202,10 @@ def test_router_follows_evictions_of_a_worker_under_memory_pressure(deployment):
     def warm() -> None:
         """Every system prompt on both workers: c keeps only the last few, and evicts the others."""
         flush(a, tight)
-        warmup = [(g, [{"role": "system", "content": s}, {"role": "user", "content": "warm up"}])
-                  for g, s in enumerate(systems)]
+        warmup = [
+            (g, [{"role": "system", "content": s}, {"role": "user", "content": "warm up"}])
+            for g, s in enumerate(systems)
+        ]
         run(procs["kv"], warmup, pin_to=a.id)
         before = tight.info()["evicted_tokens"]
         run(procs["kv"], warmup, pin_to=tight.id)
@@ -190,8 +217,10 @@ def test_router_follows_evictions_of_a_worker_under_memory_pressure(deployment):
     kv = hit_rate(run(procs["kv"], interleaved(systems, 2, "kv")))
     warm()
     rr = hit_rate(run(procs["rr"], interleaved(systems, 2, "rr")))
-    print(f"\nafter worker c evicted (pool of 640 tokens): one roomy worker {single:.3f} | Dynamo KV router {kv:.3f} "
-          f"({kv / single:.1%}) | round robin {rr:.3f}")
+    print(
+        f"\nafter worker c evicted (pool of 640 tokens): one roomy worker {single:.3f} | Dynamo KV router {kv:.3f} "
+        f"({kv / single:.1%}) | round robin {rr:.3f}"
+    )
     assert kv >= 0.95 * single
     assert rr < 0.9 * kv
     assert tight.info()["kv_invariant_ok"] and a.info()["kv_invariant_ok"]
@@ -203,16 +232,29 @@ def test_streaming_abort_and_a_worker_killed_mid_stream(deployment):
     cl = client(procs["kv"])
 
     # Streaming: tokens arrive as they are made, usage at the end.
-    chunks = list(cl.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "count"}],
-                                             max_tokens=8, stream=True, stream_options={"include_usage": True},
-                                             extra_body=NO_EOS))
+    chunks = list(
+        cl.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "count"}],
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=NO_EOS,
+        )
+    )
     assert sum(bool(ch.choices and ch.choices[0].delta.content) for ch in chunks) >= 4
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 8
 
     # A client that goes away: the frontend cancels, the worker aborts, and the scheduler frees the request's KV.
-    long = {"model": MODEL, "prompt": "go on and on", "max_tokens": 3000, "stream": True,
-            "nvext": {"backend_instance_id": a.id}, **NO_EOS}
+    long = {
+        "model": MODEL,
+        "prompt": "go on and on",
+        "max_tokens": 3000,
+        "stream": True,
+        "nvext": {"backend_instance_id": a.id},
+        **NO_EOS,
+    }
     with httpx.stream("POST", f"{procs['kv'].url}/v1/completions", json=long, timeout=60) as r:
         lines = r.iter_lines()
         for _ in range(3):
@@ -230,9 +272,13 @@ def test_streaming_abort_and_a_worker_killed_mid_stream(deployment):
     def stream(name: str, worker: Worker, max_tokens: int) -> None:
         try:
             finish = None
-            for piece in cl.completions.create(model=MODEL, prompt=f"story {name}", max_tokens=max_tokens,
-                                               stream=True, extra_body={"nvext": {"backend_instance_id": worker.id},
-                                                                        **NO_EOS}):
+            for piece in cl.completions.create(
+                model=MODEL,
+                prompt=f"story {name}",
+                max_tokens=max_tokens,
+                stream=True,
+                extra_body={"nvext": {"backend_instance_id": worker.id}, **NO_EOS},
+            ):
                 received[name] += 1
                 finish = piece.choices[0].finish_reason if piece.choices else finish
             results[name] = finish
@@ -240,8 +286,11 @@ def test_streaming_abort_and_a_worker_killed_mid_stream(deployment):
             results[name] = e
 
     # a's streams run far longer than c's (whose pool, 640 tokens, holds two of 250): a is the one killed.
-    threads = [threading.Thread(target=stream, args=(f"{w}{i}", worker, 250 if worker is c else 3000))
-               for w, worker in (("a", a), ("c", c)) for i in range(2)]
+    threads = [
+        threading.Thread(target=stream, args=(f"{w}{i}", worker, 250 if worker is c else 3000))
+        for w, worker in (("a", a), ("c", c))
+        for i in range(2)
+    ]
     for t in threads:
         t.start()
     wait_for(lambda: min(received.values()) >= 3, "four streams under way", 30, 0.02)
@@ -263,14 +312,23 @@ def test_streaming_abort_and_a_worker_killed_mid_stream(deployment):
     wait_until_unlisted(store, a.id)  # until then the router may still pick it (a 503)
     wait_for(routes_around_it, "the frontend to drop the killed worker", 60, 1.0)
     for i in range(6):
-        assert cl.completions.create(model=MODEL, prompt=f"request {i}", max_tokens=2,
-                                     extra_body=NO_EOS).usage.completion_tokens == 2
+        assert (
+            cl.completions.create(
+                model=MODEL, prompt=f"request {i}", max_tokens=2, extra_body=NO_EOS
+            ).usage.completion_tokens
+            == 2
+        )
     assert c.info()["kv_invariant_ok"]
 
 
 def test_a_bad_flag_or_model_is_one_line_and_exit_2():
     for flags in (["--model", "/nonexistent"], ["--port", "40000"]):
-        proc = subprocess.run([sys.executable, "-m", "radixserve.dynamo", "--device", "cpu", *flags], cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
+        proc = subprocess.run(
+            [sys.executable, "-m", "radixserve.dynamo", "--device", "cpu", *flags],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 2 and proc.stderr.startswith("python -m radixserve.dynamo: error: "), proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1

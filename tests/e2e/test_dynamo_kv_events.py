@@ -76,9 +76,15 @@ async def _check_events(worker: Worker) -> None:
 
     async def send(ids: list[int], dp_rank: int, salt: str | None = None, max_tokens: int = 2) -> int:
         """Runs the request on that replica; returns the prompt tokens it found cached."""
-        stream = await router.generate(ids, MODEL, stop_conditions={"max_tokens": max_tokens, "ignore_eos": True},
-                                       sampling_options={"temperature": 0.0}, worker_id=worker.id, dp_rank=dp_rank,
-                                       extra_args={"nvext": {"cache_salt": salt}} if salt else None)
+        stream = await router.generate(
+            ids,
+            MODEL,
+            stop_conditions={"max_tokens": max_tokens, "ignore_eos": True},
+            sampling_options={"temperature": 0.0},
+            worker_id=worker.id,
+            dp_rank=dp_rank,
+            extra_args={"nvext": {"cache_salt": salt}} if salt else None,
+        )
         outputs = [out async for out in stream]
         return outputs[-1]["completion_usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -144,8 +150,14 @@ async def _check_events(worker: Worker) -> None:
     # Stop strings are the scheduler's to match (here no frontend stands between to cut the text): a greedy reply,
     # then the same request stopping at one of its words, on fewer tokens.
     async def reply(stop: list[str] | None) -> dict:
-        stream = await router.generate(prompts[1], MODEL, stop_conditions={"max_tokens": 12, "stop": stop},
-                                       sampling_options={"temperature": 0.0}, worker_id=worker.id, dp_rank=1)
+        stream = await router.generate(
+            prompts[1],
+            MODEL,
+            stop_conditions={"max_tokens": 12, "stop": stop},
+            sampling_options={"temperature": 0.0},
+            worker_id=worker.id,
+            dp_rank=1,
+        )
         outs = [out async for out in stream]
         return {"tokens": [t for out in outs for t in out["token_ids"]], "finish": outs[-1]["finish_reason"]}
 
@@ -153,12 +165,13 @@ async def _check_events(worker: Worker) -> None:
     text = AutoTokenizer.from_pretrained(MODEL_DIR).decode(free["tokens"])
     stopped = await reply([text.split()[1]])
     assert stopped["finish"] == "stop" and len(stopped["tokens"]) < len(free["tokens"]), (free, stopped, text)
-    assert free["tokens"][:len(stopped["tokens"])] == stopped["tokens"]
+    assert free["tokens"][: len(stopped["tokens"])] == stopped["tokens"]
 
     # A process of the engine dies mid-request: the request fails with the reason, and the worker leaves (exit 1)
     # rather than stay registered without an engine.
-    stream = await router.generate(prompts[0], MODEL, stop_conditions={"max_tokens": 500, "ignore_eos": True},
-                                   worker_id=worker.id, dp_rank=1)
+    stream = await router.generate(
+        prompts[0], MODEL, stop_conditions={"max_tokens": 500, "ignore_eos": True}, worker_id=worker.id, dp_rank=1
+    )
     first = await stream.__anext__()
     assert first["token_ids"]
     # Every replica's worker process: the request runs on replica 1, and killing replica 0's alone let it finish its

@@ -16,9 +16,14 @@ def hf_greedy(model_dir, prompt_ids, max_new_tokens, ignore_eos=True):
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                          min_new_tokens=max_new_tokens if ignore_eos else 0, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+        out = hf.generate(
+            torch.tensor([prompt_ids]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            min_new_tokens=max_new_tokens if ignore_eos else 0,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
@@ -73,6 +78,7 @@ def test_logprobs_and_min_tokens(smollm2_engine):
     assert len(result.token_ids) == 8 and len(result.logprobs) == 8
     for token, lp in zip(result.token_ids, result.logprobs):
         import numpy as np
+
         top_ids = np.frombuffer(lp.top_ids, dtype=np.int32)
         assert len(top_ids) == 3 and top_ids[0] == token  # greedy picks the most likely token
         assert lp.logprob <= 0.0

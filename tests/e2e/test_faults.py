@@ -55,6 +55,7 @@ def ipc_dir_of(children: dict[int, str]) -> Path:
 @dataclass
 class Stream:
     """One streaming client on its own thread: when it ended and how."""
+
     index: int
     chunks: int = 0
     body: list[str] = field(default_factory=list)
@@ -63,8 +64,13 @@ class Stream:
     started: threading.Event = field(default_factory=threading.Event)
 
     def run(self, url: str) -> None:
-        body = {"prompt": f"Stream {self.index} counts to infinity:", "max_tokens": 3000, "ignore_eos": True,
-                "stream": True, "temperature": 0}
+        body = {
+            "prompt": f"Stream {self.index} counts to infinity:",
+            "max_tokens": 3000,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0,
+        }
         try:
             # The read timeout is far above the 1 s allowed: a client that hangs shows as one that ended late.
             with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
@@ -107,13 +113,19 @@ def test_sigkill_of_a_child_ends_every_stream_and_the_server(victim):
         killed_at = time.monotonic()
         for t in threads:
             t.join(timeout=CLIENT_END_WITHIN_S + 30)
-        late = {s.index: (None if s.ended_at is None else round(s.ended_at - killed_at, 3)) for s in streams
-                if s.ended_at is None or s.ended_at - killed_at > CLIENT_END_WITHIN_S}
-        assert not late, f"streams that ended more than {CLIENT_END_WITHIN_S} s after {victim} died " \
-                         f"(seconds, None: still open): {late}"
+        late = {
+            s.index: (None if s.ended_at is None else round(s.ended_at - killed_at, 3))
+            for s in streams
+            if s.ended_at is None or s.ended_at - killed_at > CLIENT_END_WITHIN_S
+        }
+        assert not late, (
+            f"streams that ended more than {CLIENT_END_WITHIN_S} s after {victim} died "
+            f"(seconds, None: still open): {late}"
+        )
         normal = [s.index for s in streams if not s.ended_in_error()]
-        assert not normal, f"streams {normal} ended without an error after {victim} died: " \
-                           f"{[streams[i].body[-3:] for i in normal]}"
+        assert not normal, (
+            f"streams {normal} ended without an error after {victim} died: {[streams[i].body[-3:] for i in normal]}"
+        )
         if victim != "tokenizer":  # the HTTP process is alive to say what happened
             for s in streams:
                 assert any(f"{victim} died" in line for line in s.body), s.body[-3:]

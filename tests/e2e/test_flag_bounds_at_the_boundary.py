@@ -66,14 +66,30 @@ def launch(*flags: str) -> subprocess.CompletedProcess:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        return subprocess.run([sys.executable, "launch.py", "--model", str(tiny_model_dir("llama")), "--device",
-                               "cpu", "--port", str(taken.getsockname()[1]), *flags], cwd=REPO_ROOT,
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [
+                sys.executable,
+                "launch.py",
+                "--model",
+                str(tiny_model_dir("llama")),
+                "--device",
+                "cpu",
+                "--port",
+                str(taken.getsockname()[1]),
+                *flags,
+            ],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
 
 def test_launch_refuses_one_past_in_one_line():
-    for flags, words in ((["--max-header-bytes=1023"], "--max-header-bytes must be >= 1024, got 1023"),
-                         ([f"--watchdog-timeout={-TINY!r}"], "--watchdog-timeout must be >= 0")):
+    for flags, words in (
+        (["--max-header-bytes=1023"], "--max-header-bytes must be >= 1024, got 1023"),
+        ([f"--watchdog-timeout={-TINY!r}"], "--watchdog-timeout must be >= 0"),
+    ):
         done = launch(*flags)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done

@@ -23,7 +23,6 @@ REPO = Path(__file__).resolve().parents[2]
 HEALTH_503_WITHIN_S = 0.3
 
 
-
 def children_of(pid: int) -> dict[int, str]:
     """Direct children of pid with their command lines, read from /proc."""
     out = {}
@@ -50,9 +49,23 @@ def alive(pid: int) -> bool:
 
 def start_server(*extra: str):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--model", str(tiny_model_dir("llama")),
-                             "--device", "cpu", "--port", str(port), *extra],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "launch.py"),
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            *extra,
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -90,8 +103,11 @@ def test_killing_a_worker_stops_the_server_and_fails_inflight_requests():
 
     def long_request():
         try:
-            r = httpx.post(f"{url}/v1/completions", timeout=60,
-                           json={"prompt": "count", "max_tokens": 3000, "ignore_eos": True, "stream": True})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                timeout=60,
+                json={"prompt": "count", "max_tokens": 3000, "ignore_eos": True, "stream": True},
+            )
             outcome["status"] = r.status_code
             outcome["body"] = r.text
         except httpx.HTTPError as e:
@@ -129,14 +145,20 @@ def test_killing_a_worker_stops_the_server_and_fails_inflight_requests():
 
 
 def test_bad_model_dir_fails_fast_with_a_message():
-    proc = subprocess.run([sys.executable, str(REPO / "launch.py"), "--model", "/nonexistent/dir", "--device", "cpu"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), "--model", "/nonexistent/dir", "--device", "cpu"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert "does not exist" in proc.stderr
 
 
 @pytest.mark.parametrize("flag", ["--tp-size=0", "--port=70000"])
 def test_invalid_flags_are_rejected(flag):
-    proc = subprocess.run([sys.executable, str(REPO / "launch.py"), flag], cwd=REPO, capture_output=True,
-                          text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), flag], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode != 0 and ("must be" in proc.stderr or "out of range" in proc.stderr)

@@ -57,7 +57,8 @@ def listening_sockets(pids) -> list[tuple[int, str, str]]:
 def decode_ip(ip_hex: str) -> str:
     """/proc/net/tcp{,6} addresses: 32-bit words in host (little-endian) byte order."""
     import ipaddress
-    raw = b"".join(bytes.fromhex(ip_hex[i:i + 8])[::-1] for i in range(0, len(ip_hex), 8))
+
+    raw = b"".join(bytes.fromhex(ip_hex[i : i + 8])[::-1] for i in range(0, len(ip_hex), 8))
     address = ipaddress.ip_address(raw)
     if address.version == 6 and address.ipv4_mapped is not None:
         return str(address.ipv4_mapped)
@@ -68,8 +69,9 @@ def decode_ip(ip_hex: str) -> str:
 def server():
     os.environ["RADIXSERVE_API_KEY"] = API_KEY  # inherited by launch.py only: Popen runs inside start()
     try:
-        server = LaunchedServer(tiny_model_dir("llama"), "--tp-size", "2",
-                                "--watchdog-timeout", str(WATCHDOG_S)).start()
+        server = LaunchedServer(
+            tiny_model_dir("llama"), "--tp-size", "2", "--watchdog-timeout", str(WATCHDOG_S)
+        ).start()
     finally:
         del os.environ["RADIXSERVE_API_KEY"]
     try:
@@ -156,8 +158,9 @@ def test_front_end_and_scheduler_never_load_torch(server):
 
 def test_a_stopped_worker_fails_requests_turns_health_503_and_ends_launch(server):
     url = server.url
-    warmup = httpx.post(f"{url}/v1/completions", headers=auth(), timeout=60,
-                        json={"prompt": "warm up", "max_tokens": 4})
+    warmup = httpx.post(
+        f"{url}/v1/completions", headers=auth(), timeout=60, json={"prompt": "warm up", "max_tokens": 4}
+    )
     assert warmup.status_code == 200  # the first batch (not timed by the watchdog) is behind us
     tree = process_tree(server.process.pid)
     worker1 = next(pid for pid, cmd in tree.items() if "radixserve.worker" in cmd and "--rank 1" in cmd)
@@ -165,8 +168,12 @@ def test_a_stopped_worker_fails_requests_turns_health_503_and_ends_launch(server
 
     def long_request():
         try:
-            r = httpx.post(f"{url}/v1/completions", headers=auth(), timeout=60,
-                           json={"prompt": "count", "max_tokens": 3000, "ignore_eos": True, "stream": True})
+            r = httpx.post(
+                f"{url}/v1/completions",
+                headers=auth(),
+                timeout=60,
+                json={"prompt": "count", "max_tokens": 3000, "ignore_eos": True, "stream": True},
+            )
             outcome["status"], outcome["body"] = r.status_code, r.text
         except httpx.HTTPError as e:
             outcome["error"] = repr(e)
@@ -191,9 +198,13 @@ def test_a_stopped_worker_fails_requests_turns_health_503_and_ends_launch(server
         log = server.log()
         assert "worker-1" in log and "hung" in log and "--watchdog-timeout is 3 s" in log, log[-3000:]
         time.sleep(0.5)
-        assert not [pid for pid in tree if pid != server.process.pid and Path(f"/proc/{pid}").exists()
-                    and "Z" != Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]], "orphans"
+        assert not [
+            pid
+            for pid in tree
+            if pid != server.process.pid
+            and Path(f"/proc/{pid}").exists()
+            and "Z" != Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        ], "orphans"
     finally:
         if Path(f"/proc/{worker1}").exists():
             os.kill(worker1, signal.SIGKILL)
-

@@ -49,16 +49,39 @@ def free_port_block(count: int) -> int:
 
 def node_command(node_rank: int, dist_port: int, http_port: int, *extra: str) -> list[str]:
     # The same command on every node but for --node-rank.
-    return [sys.executable, str(REPO / "launch.py"), "--model", str(tiny_model_dir("llama")), "--device", "cpu",
-            "--tp-size", "2", "--nnodes", "2", "--node-rank", str(node_rank),
-            "--dist-init-addr", f"127.0.0.1:{dist_port}", "--port", str(http_port), "--max-total-tokens", "2048",
-            *extra]
+    return [
+        sys.executable,
+        str(REPO / "launch.py"),
+        "--model",
+        str(tiny_model_dir("llama")),
+        "--device",
+        "cpu",
+        "--tp-size",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(node_rank),
+        "--dist-init-addr",
+        f"127.0.0.1:{dist_port}",
+        "--port",
+        str(http_port),
+        "--max-total-tokens",
+        "2048",
+        *extra,
+    ]
 
 
 def start_node(node_rank: int, dist_port: int, http_port: int, *extra: str, secret: str = SECRET):
     env = {**os.environ, SECRET_ENV: secret}
-    return subprocess.Popen(node_command(node_rank, dist_port, http_port, *extra), cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        node_command(node_rank, dist_port, http_port, *extra),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_healthy(url: str, procs, timeout: float = 180) -> None:
@@ -77,8 +100,14 @@ def wait_healthy(url: str, procs, timeout: float = 180) -> None:
 
 
 def greedy_tokens_over_http(url: str) -> list[list[int]]:
-    r = httpx.post(f"{url}/generate", timeout=120, json={
-        "input_ids": PROMPTS, "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True}})
+    r = httpx.post(
+        f"{url}/generate",
+        timeout=120,
+        json={
+            "input_ids": PROMPTS,
+            "sampling_params": {"temperature": 0, "max_new_tokens": MAX_NEW, "ignore_eos": True},
+        },
+    )
     assert r.status_code == 200, r.text
     return [item["output_ids"] for item in r.json()]
 
@@ -97,8 +126,9 @@ def test_two_nodes_match_one_node_then_a_killed_node_ends_the_server():
 
         params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True)
         model = str(tiny_model_dir("llama"))
-        one_rank = [r.token_ids for r in InProcessEngine(model, device="cpu", max_total_tokens=2048)
-                    .generate(PROMPTS, params)]
+        one_rank = [
+            r.token_ids for r in InProcessEngine(model, device="cpu", max_total_tokens=2048).generate(PROMPTS, params)
+        ]
         with Engine(model, device="cpu", max_total_tokens=2048, tp_size=2) as one_node:
             tp2 = [r.token_ids for r in one_node.generate(PROMPTS, params)]
         assert two_nodes == tp2 == one_rank
@@ -109,8 +139,11 @@ def test_two_nodes_match_one_node_then_a_killed_node_ends_the_server():
 
         def long_request():
             try:
-                r = httpx.post(f"{url}/generate", timeout=60, json={
-                    "input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}})
+                r = httpx.post(
+                    f"{url}/generate",
+                    timeout=60,
+                    json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}},
+                )
                 outcome["body"] = r.text
             except httpx.HTTPError as e:
                 outcome["error"] = repr(e)
@@ -146,12 +179,15 @@ def test_a_node_that_never_joins_is_named_on_the_other():
     assert alone1.returncode == 1 and "node 0 did not join within --dist-timeout 3 s" in out1, out1[-2000:]
 
 
-@pytest.mark.parametrize("extra,secret,message", [
-    ((), "", "needs a secret shared by every node"),
-    ((), "short", "too short"),
-    (("--tp-size", "3"), SECRET, "must be a multiple of --nnodes"),
-    (("--node-rank", "2"), SECRET, "--node-rank must be in [0, 2)"),
-])
+@pytest.mark.parametrize(
+    "extra,secret,message",
+    [
+        ((), "", "needs a secret shared by every node"),
+        ((), "short", "too short"),
+        (("--tp-size", "3"), SECRET, "must be a multiple of --nnodes"),
+        (("--node-rank", "2"), SECRET, "--node-rank must be in [0, 2)"),
+    ],
+)
 def test_bad_multi_node_flags_fail_fast(extra, secret, message):
     cmd = node_command(0, free_port_block(6), free_port()) + list(extra)
     env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
@@ -163,9 +199,11 @@ def test_bad_multi_node_flags_fail_fast(extra, secret, message):
 
 # ---------------------------------------------------------------- the links alone, in this process
 
+
 def link_args(node_rank: int, base: int, timeout: float = 5.0):
-    return types.SimpleNamespace(nnodes=2, node_rank=node_rank, tp_size=2, dist_init_addr=f"127.0.0.1:{base}",
-                                 dist_timeout=timeout)
+    return types.SimpleNamespace(
+        nnodes=2, node_rank=node_rank, tp_size=2, dist_init_addr=f"127.0.0.1:{base}", dist_timeout=timeout
+    )
 
 
 def handshake_events(monitor: zmq.Socket, wait_s: float) -> set[int]:
@@ -233,8 +271,12 @@ def test_links_carry_frames_and_refuse_peers_without_the_secret():
             assert not sock.poll(200), "an unauthenticated peer received a batch"
             events = handshake_events(monitor, 1.0)
             assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in events
-            assert events & {zmq.EVENT_HANDSHAKE_FAILED_AUTH, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
-                             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL, zmq.EVENT_DISCONNECTED}, events
+            assert events & {
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL,
+                zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL,
+                zmq.EVENT_DISCONNECTED,
+            }, events
     finally:
         ctx.destroy(linger=0)
         member.close("test over", failed=False)

@@ -48,7 +48,7 @@ def mid_token_stop(engine, token_ids: list[int]) -> tuple[str, int]:
     start = 0
     for i, piece in enumerate(pieces):
         for inner in range(1, len(piece)):
-            stop = text[start + inner:start + inner + 3]
+            stop = text[start + inner : start + inner + 3]
             if i >= 2 and len(stop) == 3 and stop.isprintable() and text.find(stop) == start + inner:
                 return stop, i
         start += len(piece)
@@ -75,16 +75,23 @@ def cases(engine) -> dict[str, dict]:
 
 def streamed_completion_text(server, params: dict) -> tuple[str, str]:
     """The OpenAI completions stream, concatenated, and its finish_reason."""
-    body = {"prompt": PROMPT, "max_tokens": params["max_new_tokens"], "temperature": 0, "stream": True,
-            "ignore_eos": True, "stop": params.get("stop"), "stop_token_ids": params.get("stop_token_ids"),
-            "include_stop_str_in_output": params.get("include_stop_str_in_output", False),
-            "min_tokens": params.get("min_new_tokens", 0)}
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": params["max_new_tokens"],
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        "stop": params.get("stop"),
+        "stop_token_ids": params.get("stop_token_ids"),
+        "include_stop_str_in_output": params.get("include_stop_str_in_output", False),
+        "min_tokens": params.get("min_new_tokens", 0),
+    }
     text, finish_reason = "", None
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
-                choice = json.loads(line[len("data: "):])["choices"][0]
+                choice = json.loads(line[len("data: ") :])["choices"][0]
                 text += choice["text"]
                 finish_reason = choice["finish_reason"] or finish_reason
     return text, finish_reason
@@ -92,12 +99,12 @@ def streamed_completion_text(server, params: dict) -> tuple[str, str]:
 
 def test_engine_and_http_give_the_same_text(engine, server):
     all_cases = cases(engine)
-    results = dict(zip(all_cases, engine.generate([PROMPT] * len(all_cases),
-                                                  [SamplingParams(**p) for p in all_cases.values()])))
+    results = dict(
+        zip(all_cases, engine.generate([PROMPT] * len(all_cases), [SamplingParams(**p) for p in all_cases.values()]))
+    )
     for name, params in all_cases.items():
         mine = results[name]
-        http = httpx.post(f"{server.url}/generate", json={"text": PROMPT, "sampling_params": params},
-                          timeout=60).json()
+        http = httpx.post(f"{server.url}/generate", json={"text": PROMPT, "sampling_params": params}, timeout=60).json()
         assert http["output_ids"] == mine.token_ids, name
         assert http["text"] == mine.text, name
         finish = http["meta_info"]["finish_reason"]
@@ -113,17 +120,19 @@ def test_engine_and_http_give_the_same_text(engine, server):
     cut = full.text.find(stop)
     stopped, kept = results["stop string"], results["stop string kept"]
     assert stopped.finish_reason == "stop" and stopped.matched_stop == stop and stopped.text == full.text[:cut]
-    assert kept.text == full.text[:cut + len(stop)] and kept.token_ids == stopped.token_ids
+    assert kept.text == full.text[: cut + len(stop)] and kept.token_ids == stopped.token_ids
     stop_token = all_cases["stop token"]["stop_token_ids"][0]
     first = full.token_ids.index(stop_token)
     by_token, by_token_kept = results["stop token"], results["stop token kept"]
-    assert by_token.token_ids == full.token_ids[:first + 1] and by_token.matched_stop == stop_token
+    assert by_token.token_ids == full.token_ids[: first + 1] and by_token.matched_stop == stop_token
     # The stop token counts as a completion token, but its text is hidden unless asked for.
     hidden = engine.tokenizer.decode(full.token_ids[:first], clean_up_tokenization_spaces=False)
     assert by_token.text == hidden
-    assert by_token_kept.text == engine.tokenizer.decode(full.token_ids[:first + 1], clean_up_tokenization_spaces=False)
+    assert by_token_kept.text == engine.tokenizer.decode(
+        full.token_ids[: first + 1], clean_up_tokenization_spaces=False
+    )
     late = results["stop string under min_new_tokens"]
     early = all_cases["stop string under min_new_tokens"]["stop"][0]
-    assert len(late.token_ids) >= 6 and late.text.startswith(full.text[:full.text.find(early) + len(early)])
+    assert len(late.token_ids) >= 6 and late.text.startswith(full.text[: full.text.find(early) + len(early)])
     assert engine.server_info()["kv_invariant_ok"]
     assert httpx.get(f"{server.url}/server_info", timeout=10).json()["kv_invariant_ok"]

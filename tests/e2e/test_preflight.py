@@ -23,8 +23,14 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def run_launch(*flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "launch.py"), *flags], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, str(REPO / "launch.py"), *flags],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *words: str) -> None:
@@ -61,6 +67,7 @@ def test_no_gpu_for_device_cuda():
 
 def test_fewer_gpus_than_tp_size(monkeypatch):
     import torch
+
     # Two GPUs visible, four asked for: only the count matters to the check, so give it that count.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -91,9 +98,20 @@ def test_port_taken():
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     gpt2 = tmp_path / "gpt2"
     gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({  # the shape of GPT-2's config.json: no num_attention_heads
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_ctx": 1024, "n_embd": 768, "n_head": 12,
-        "n_layer": 12, "n_positions": 1024, "vocab_size": 50257}))
+    (gpt2 / "config.json").write_text(
+        json.dumps(
+            {  # the shape of GPT-2's config.json: no num_attention_heads
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "n_ctx": 1024,
+                "n_embd": 768,
+                "n_head": 12,
+                "n_layer": 12,
+                "n_positions": 1024,
+                "vocab_size": 50257,
+            }
+        )
+    )
     proc = run_launch("--model", str(gpt2), "--device", "cpu")
     assert_one_line_error(proc, "'GPT2LMHeadModel'", "LlamaForCausalLM", "Qwen3ForCausalLM")
 
@@ -112,6 +130,7 @@ def test_bad_watchdog_timeout():
 
 
 # ------------------------------------------------------------------ the API key's sources
+
 
 def test_api_key_from_file_env_or_flag(tmp_path, monkeypatch):
     key_file = tmp_path / "key"

@@ -28,9 +28,26 @@ NO_EOS = {"ignore_eos": True}
 
 def start_server(port: int, *extra: str) -> subprocess.Popen:
     env = {**os.environ, "RADIXSERVE_API_KEY": KEY}
-    return subprocess.Popen([sys.executable, str(REPO / "launch.py"), "--model", str(tiny_model_dir("llama")),
-                             "--device", "cpu", "--port", str(port), "--max-total-tokens", "2048", *extra],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "launch.py"),
+            "--model",
+            str(tiny_model_dir("llama")),
+            "--device",
+            "cpu",
+            "--port",
+            str(port),
+            "--max-total-tokens",
+            "2048",
+            *extra,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def wait_for(predicate, what: str, timeout: float, procs=()) -> None:
@@ -60,11 +77,35 @@ def deployment():
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     router_port = free_port()
     router = subprocess.Popen(
-        [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(router_port),
-         "--worker-urls", *urls, "--policy", "cache_aware", "--api-key", KEY,
-         "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), "--log-level", "warn"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(router_port),
+            "--worker-urls",
+            *urls,
+            "--policy",
+            "cache_aware",
+            "--api-key",
+            KEY,
+            "--health-check-interval-secs",
+            "1",
+            "--health-failure-threshold",
+            "2",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warn",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for url in urls:
             wait_for(lambda: httpx.get(f"{url}/health", timeout=1).status_code == 200, url, 180, servers)
@@ -102,38 +143,49 @@ def test_two_servers_behind_sglang_router(deployment):
     metrics = httpx.get(f"{urls[1]}/metrics", headers=auth(), timeout=10).text
     assert all(f'dp_rank="{i}"' in metrics for i in (0, 1)) and "replica_num_running_reqs" in metrics
 
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5,
-                                          extra_body=NO_EOS)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, extra_body=NO_EOS
+    )
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 5
-    pieces = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True) if c.choices]
+    pieces = [
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True
+        )
+        if c.choices
+    ]
     assert "".join(pieces)
-    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5,
-                                           extra_body=NO_EOS)
+    completion = client.completions.create(model=model, prompt="Once upon a time", max_tokens=5, extra_body=NO_EOS)
     assert completion.usage.completion_tokens == 5
-    streamed = [c.choices[0].text for c in client.completions.create(model=model, prompt="Once", max_tokens=5,
-                                                                        stream=True) if c.choices]
+    streamed = [
+        c.choices[0].text
+        for c in client.completions.create(model=model, prompt="Once", max_tokens=5, stream=True)
+        if c.choices
+    ]
     assert "".join(streamed)
 
     body = {"text": "The router", "sampling_params": {"max_new_tokens": 5, "temperature": 0}}
     r = httpx.post(f"{router_url}/generate", json=body, headers=auth(), timeout=60)
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 5, r.text
-    with httpx.stream("POST", f"{router_url}/generate", json={**body, "stream": True}, headers=auth(),
-                      timeout=60) as r:
-        events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    with httpx.stream("POST", f"{router_url}/generate", json={**body, "stream": True}, headers=auth(), timeout=60) as r:
+        events = [line[len("data: ") :] for line in r.iter_lines() if line.startswith("data: ")]
     assert r.status_code == 200 and events[-1] == "[DONE]"
     assert len(json.loads(events[-2])["output_ids"]) == 5
 
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{router_url}/v1", api_key="wrong-key", max_retries=0).completions.create(
-            model=model, prompt="hi", max_tokens=2)
+            model=model, prompt="hi", max_tokens=2
+        )
 
     # A client that goes away aborts its request on whichever replica runs it.
     long = {"text": "go on", "stream": True, "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
     with httpx.stream("POST", f"{urls[1]}/generate", json=long, headers=auth(), timeout=60) as r:
         next(line for line in r.iter_lines() if line.startswith("data: "))
-    wait_for(lambda: httpx.get(f"{urls[1]}/server_info", headers=auth(), timeout=10).json()["num_running"] == 0,
-             "the abort to reach the replica", 20)
+    wait_for(
+        lambda: httpx.get(f"{urls[1]}/server_info", headers=auth(), timeout=10).json()["num_running"] == 0,
+        "the abort to reach the replica",
+        20,
+    )
 
     # /flush_cache through the router empties both servers' caches (both replicas of the second).
     for url in urls:
@@ -158,8 +210,12 @@ def test_two_servers_behind_sglang_router(deployment):
         if [w["worker"] for w in workers if w["load"] >= 0] != [urls[0]] and len(workers) != 1:
             return False
         for _ in range(4):
-            r = httpx.post(f"{router_url}/v1/completions", headers=auth(), timeout=30,
-                           json={"model": model, "prompt": f"probe {next(probes)}", "max_tokens": 1})
+            r = httpx.post(
+                f"{router_url}/v1/completions",
+                headers=auth(),
+                timeout=30,
+                json={"model": model, "prompt": f"probe {next(probes)}", "max_tokens": 1},
+            )
             if r.status_code != 200:
                 return False
         return True
@@ -168,9 +224,14 @@ def test_two_servers_behind_sglang_router(deployment):
     # which a loaded machine stretches; what we promise is the state once the check has run.
     wait_for(router_dropped_it, "the router's health check to drop the dead server", 60)
     for i in range(8):
-        reply = client.completions.create(model=model, prompt=f"request {i} after the kill", max_tokens=3,
-                                           extra_body=NO_EOS)
+        reply = client.completions.create(
+            model=model, prompt=f"request {i} after the kill", max_tokens=3, extra_body=NO_EOS
+        )
         assert reply.usage.completion_tokens == 3
     for i in range(4):
-        assert client.completions.create(model=model, prompt=f"again {i}", max_tokens=3,
-                                         extra_body=NO_EOS).usage.completion_tokens == 3
+        assert (
+            client.completions.create(
+                model=model, prompt=f"again {i}", max_tokens=3, extra_body=NO_EOS
+            ).usage.completion_tokens
+            == 3
+        )

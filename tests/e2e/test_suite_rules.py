@@ -17,12 +17,19 @@ def run_suite(tmp_path: Path, tests: str) -> subprocess.CompletedProcess:
     (tmp_path / "conftest.py").write_text((REPO_ROOT / "tests" / "conftest.py").read_text())
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    gpu: needs a GPU\n    server: starts processes\n")
     (tmp_path / "test_rules.py").write_text(tests)
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_a_process_started_without_the_server_marker_fails_the_run(tmp_path):
-    result = run_suite(tmp_path, """
+    result = run_suite(
+        tmp_path,
+        """
 import multiprocessing
 import subprocess
 import sys
@@ -56,7 +63,8 @@ def test_marked():
 
 def test_no_process():
     pass
-""")
+""",
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "5 passed" in result.stdout, result.stdout
     assert "3 test(s) started a process without the server marker" in result.stdout, result.stdout
@@ -65,7 +73,9 @@ def test_no_process():
 
 
 def test_a_skip_outside_the_gpu_marker_fails_the_run(tmp_path):
-    result = run_suite(tmp_path, """
+    result = run_suite(
+        tmp_path,
+        """
 import pytest
 
 
@@ -76,14 +86,17 @@ def test_gpu():
 
 def test_other():
     pytest.skip("a missing file")
-""")
+""",
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "1 test(s) skipped without the gpu marker" in result.stdout, result.stdout
     assert "skipped GPU tests: 1" in result.stdout, result.stdout
 
 
 def test_the_suite_passes_with_marked_processes_only(tmp_path):
-    result = run_suite(tmp_path, """
+    result = run_suite(
+        tmp_path,
+        """
 import subprocess
 import sys
 
@@ -93,5 +106,6 @@ import pytest
 @pytest.mark.server
 def test_marked():
     subprocess.run([sys.executable, "-c", "pass"])
-""")
+""",
+    )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from radixserve.runtime.launcher import Child, find_hung
-from radixserve.protocol import Heartbeat
+from radixserve.runtime.supervision_messages import Heartbeat
 
 pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
 
@@ -16,8 +16,9 @@ TIMEOUT = 10.0
 
 @pytest.fixture
 def children():
-    kids = [Child(name, subprocess.Popen(["sleep", "60"])) for name in ("worker-0", "worker-1", "scheduler",
-                                                                         "tokenizer")]
+    kids = [
+        Child(name, subprocess.Popen(["sleep", "60"])) for name in ("worker-0", "worker-1", "scheduler", "tokenizer")
+    ]
     yield {c.name: c for c in kids}
     for c in kids:
         c.process.kill()

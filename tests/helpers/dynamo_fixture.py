@@ -36,17 +36,30 @@ def free_port() -> int:
 
 
 def dynamo_env(store: Path) -> dict[str, str]:
-    return {**os.environ, "DYN_FILE_KV": str(store), "DYN_LOG": "warn", "DYN_TCP_RPC_HOST": "127.0.0.1",
-            "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1", "DYN_EVENT_PLANE_HOST": "127.0.0.1",
-            "DYN_SYSTEM_HOST": "127.0.0.1", "PYTHONUNBUFFERED": "1",
-            "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0"}  # a stopped worker leaves at once (default: seconds)
+    return {
+        **os.environ,
+        "DYN_FILE_KV": str(store),
+        "DYN_LOG": "warn",
+        "DYN_TCP_RPC_HOST": "127.0.0.1",
+        "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1",
+        "DYN_SYSTEM_HOST": "127.0.0.1",
+        "PYTHONUNBUFFERED": "1",
+        "DYN_GRACEFUL_SHUTDOWN_GRACE_PERIOD_SECS": "0",
+    }  # a stopped worker leaves at once (default: seconds)
 
 
 class Proc:
     def __init__(self, argv: list[str], store: Path, log: Path):
         self.log = log
-        self.process = subprocess.Popen(argv, cwd=REPO, env=dynamo_env(store), stdout=log.open("w"),
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            env=dynamo_env(store),
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def tail(self, n: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-n:]
@@ -68,9 +81,24 @@ class Proc:
 class Worker(Proc):
     def __init__(self, store: Path, log_dir: Path, name: str, *flags: str):
         self.port = free_port()  # its Dynamo system server: /health and /engine/control/...
-        super().__init__([sys.executable, "-m", "radixserve.dynamo", "--model", str(MODEL_DIR), "--device", "cpu",
-                          "--discovery-backend", "file", "--port", str(self.port), *flags], store,
-                         log_dir / f"{name}.log")
+        super().__init__(
+            [
+                sys.executable,
+                "-m",
+                "radixserve.dynamo",
+                "--model",
+                str(MODEL_DIR),
+                "--device",
+                "cpu",
+                "--discovery-backend",
+                "file",
+                "--port",
+                str(self.port),
+                *flags,
+            ],
+            store,
+            log_dir / f"{name}.log",
+        )
         self.id: int | None = None
 
     def control(self, name: str, body: dict | None = None) -> dict:
@@ -96,9 +124,23 @@ class Worker(Proc):
 class Frontend(Proc):
     def __init__(self, store: Path, log_dir: Path, mode: str):
         self.port = free_port()
-        super().__init__([sys.executable, "-m", "dynamo.frontend", "--discovery-backend", "file", "--router-mode",
-                          mode, "--http-host", "127.0.0.1", "--http-port", str(self.port)], store,
-                         log_dir / f"frontend-{mode}.log")
+        super().__init__(
+            [
+                sys.executable,
+                "-m",
+                "dynamo.frontend",
+                "--discovery-backend",
+                "file",
+                "--router-mode",
+                mode,
+                "--http-host",
+                "127.0.0.1",
+                "--http-port",
+                str(self.port),
+            ],
+            store,
+            log_dir / f"frontend-{mode}.log",
+        )
         self.url = f"http://127.0.0.1:{self.port}"
 
 

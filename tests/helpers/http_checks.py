@@ -10,8 +10,7 @@ from pathlib import Path
 import httpx
 
 
-def assert_openai_error(status: int, body: bytes | str, expected_status: int | None = None,
-                        *words: str) -> dict:
+def assert_openai_error(status: int, body: bytes | str, expected_status: int | None = None, *words: str) -> dict:
     if expected_status is not None:
         assert status == expected_status, (status, body)
     assert 400 <= status < 500, (status, body)

@@ -29,7 +29,6 @@ STOP_TIMEOUT_S = 15
 IDLE_TIMEOUT_S = 60  # a test's last requests (a disconnected stream, an abort in flight) finish within this
 
 
-
 def _die_with_pytest() -> None:
     # If pytest is killed, launch.py must not outlive it (its own children die with it in turn).
     with contextlib.suppress(OSError):
@@ -59,8 +58,9 @@ class LaunchedServer:
         model = ["--model", self.model_dir] if self.model_dir else []
         cmd = [sys.executable, "launch.py", *model, "--device", "cpu", "--port", str(self.port), *self.flags]
         self.api_key = self._api_key()
-        self.process = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                        preexec_fn=_die_with_pytest)
+        self.process = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT, preexec_fn=_die_with_pytest
+        )
         LaunchedServer.live.append(self)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:

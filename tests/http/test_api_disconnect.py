@@ -57,8 +57,11 @@ def assert_kv_intact(info: dict) -> None:
 
 
 def assert_new_request_completes(server) -> None:
-    response = httpx.post(f"{server.url}/v1/completions", timeout=60,
-                          json={"prompt": "after the storm", "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={"prompt": "after the storm", "max_tokens": 8, "ignore_eos": True, "temperature": 0},
+    )
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 8
 
@@ -67,16 +70,23 @@ def test_32_streams_cancelled_after_first_chunk(server):
     tokens_before = generated_tokens(server)
 
     async def scenario() -> tuple[float, dict]:
-        async with openai.AsyncOpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0,
-                                      timeout=120) as client, httpx.AsyncClient(base_url=server.url) as http:
+        async with (
+            openai.AsyncOpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0, timeout=120) as client,
+            httpx.AsyncClient(base_url=server.url) as http,
+        ):
             release = asyncio.Event()
             first_chunks = 0
 
             async def one(i: int) -> None:
                 nonlocal first_chunks
                 stream = await client.completions.create(
-                    model=tiny_model_dir("llama").name, prompt=f"Stream {i} tells a very long story:",
-                    max_tokens=LONG, stream=True, temperature=0, extra_body={"ignore_eos": True})
+                    model=tiny_model_dir("llama").name,
+                    prompt=f"Stream {i} tells a very long story:",
+                    max_tokens=LONG,
+                    stream=True,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
                 async for chunk in stream:
                     assert chunk.choices[0].finish_reason is None
                     first_chunks += 1
@@ -114,18 +124,22 @@ def test_non_streaming_client_timeout_aborts(server):
 
 def test_chat_stream_and_generate_stream_disconnects(server):
     tokens_before = generated_tokens(server)
-    chat = {"messages": [{"role": "user", "content": "Talk forever."}], "max_tokens": 3000, "ignore_eos": True,
-            "stream": True}
-    native = {"text": "Native stream", "stream": True, "sampling_params": {"max_new_tokens": 3000,
-                                                                          "ignore_eos": True}}
+    chat = {
+        "messages": [{"role": "user", "content": "Talk forever."}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    native = {"text": "Native stream", "stream": True, "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}}
     with httpx.Client(base_url=server.url, timeout=60) as http:
         for path, body in (("/v1/chat/completions", chat), ("/generate", native)):
             with http.stream("POST", path, json=body) as response:
                 lines = response.iter_lines()
                 content_chunks = 0
                 for line in lines:  # past the role chunk, into generated text
-                    if line.startswith("data: ") and ('"content":"' in line and '"content":""' not in line
-                                                      or '"output_ids":[' in line):
+                    if line.startswith("data: ") and (
+                        '"content":"' in line and '"content":""' not in line or '"output_ids":[' in line
+                    ):
                         content_chunks += 1
                         if content_chunks == 3:
                             break

@@ -27,8 +27,17 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 @pytest.fixture(scope="module")
 def server():
-    with launched_server(tiny_model_dir("llama"), "--api-key", API_KEY, "--served-model-name", MODEL,
-                         "--max-request-bytes", str(MAX_BODY), "--max-queued-requests", str(MAX_IN_FLIGHT)) as server:
+    with launched_server(
+        tiny_model_dir("llama"),
+        "--api-key",
+        API_KEY,
+        "--served-model-name",
+        MODEL,
+        "--max-request-bytes",
+        str(MAX_BODY),
+        "--max-queued-requests",
+        str(MAX_IN_FLIGHT),
+    ) as server:
         yield server
 
 
@@ -73,40 +82,79 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": []}, 400, ["prompt must not be empty"], "prompt"),
     ("/v1/chat/completions", {"messages": []}, 400, ["messages must not be empty"], "messages"),
     ("/v1/completions", {"prompt": [1, 2, VOCAB]}, 400, ["prompt", f"token id {VOCAB}", "vocabulary"], "prompt"),
-    ("/v1/completions", {"prompt": [[5], [1, 10 ** 9]]}, 400, ["token id 1000000000", "vocabulary"], "prompt"),
-    ("/v1/completions", {"prompt": [1, 10 ** 30]}, 400, [f"token id {10 ** 30}", "vocabulary"], "prompt"),
+    ("/v1/completions", {"prompt": [[5], [1, 10**9]]}, 400, ["token id 1000000000", "vocabulary"], "prompt"),
+    ("/v1/completions", {"prompt": [1, 10**30]}, 400, [f"token id {10**30}", "vocabulary"], "prompt"),
     ("/v1/completions", {"prompt": [1, -3]}, 400, ["non-negative", "-3"], "prompt"),
     ("/generate", {"input_ids": [7, VOCAB + 5]}, 400, ["input_ids", "vocabulary"], "input_ids"),
-    ("/v1/completions", {"prompt": long_prompt_ids(100), "max_tokens": CONTEXT - 50}, 400,
-     [f"This model's maximum context length is {CONTEXT} tokens. However, you requested {CONTEXT + 50} tokens "
-      f"(100 in the messages, {CONTEXT - 50} in the completion). Please reduce the length of the messages or "
-      f"completion."], None),
-    ("/v1/completions", {"prompt": long_prompt_ids(CONTEXT)}, 400,
-     [f"maximum context length is {CONTEXT} tokens", f"you requested {CONTEXT + 16} tokens"], None),
-    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": CONTEXT}, 400,
-     [f"maximum context length is {CONTEXT} tokens", f"{CONTEXT} in the completion"], None),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * CONTEXT}]}, 400,
-     [f"maximum context length is {CONTEXT} tokens", "input tokens"], None),
+    (
+        "/v1/completions",
+        {"prompt": long_prompt_ids(100), "max_tokens": CONTEXT - 50},
+        400,
+        [
+            f"This model's maximum context length is {CONTEXT} tokens. However, you requested {CONTEXT + 50} tokens "
+            f"(100 in the messages, {CONTEXT - 50} in the completion). Please reduce the length of the messages or "
+            f"completion."
+        ],
+        None,
+    ),
+    (
+        "/v1/completions",
+        {"prompt": long_prompt_ids(CONTEXT)},
+        400,
+        [f"maximum context length is {CONTEXT} tokens", f"you requested {CONTEXT + 16} tokens"],
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "max_tokens": CONTEXT},
+        400,
+        [f"maximum context length is {CONTEXT} tokens", f"{CONTEXT} in the completion"],
+        None,
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "word " * CONTEXT}]},
+        400,
+        [f"maximum context length is {CONTEXT} tokens", "input tokens"],
+        None,
+    ),
     ("/v1/completions", {"prompt": "x", "n": 0}, 400, ["n must be between 1 and 16"], "n"),
     ("/v1/completions", {"prompt": "x", "n": 17}, 400, ["n must be between 1 and 16"], "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, ["logprobs", "between 0 and 20"], "logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 25}, 400,
-     ["top_logprobs", "between 0 and 20"], "top_logprobs"),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "logprobs": True, "top_logprobs": 25},
+        400,
+        ["top_logprobs", "between 0 and 20"],
+        "top_logprobs",
+    ),
     ("/v1/completions", '{"prompt": "x", "temperature": NaN}', 400, ["temperature", "nan"], "temperature"),
     ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, ["temperature", ">= 0"], "temperature"),
-    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
-     ["stream_options can only be set when stream is true"], "stream_options"),
-    ("/v1/chat/completions", {"messages": CHAT, "stream": False, "stream_options": {"include_usage": True}}, 400,
-     ["stream_options"], "stream_options"),
+    (
+        "/v1/completions",
+        {"prompt": "x", "stream_options": {"include_usage": True}},
+        400,
+        ["stream_options can only be set when stream is true"],
+        "stream_options",
+    ),
+    (
+        "/v1/chat/completions",
+        {"messages": CHAT, "stream": False, "stream_options": {"include_usage": True}},
+        400,
+        ["stream_options"],
+        "stream_options",
+    ),
     ("/v1/completions", {"prompt": "x", "stop_token_ids": [VOCAB]}, 400, ["stop_token_ids", "vocabulary"], None),
-    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, ["messages[0].role"],
-     "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, ["messages[0].role"], "messages"),
     ("/generate", {"sampling_params": {"max_new_tokens": 3}}, 400, ["exactly one of text and input_ids"], None),
 ]
 
 
-@pytest.mark.parametrize("route,body,status,words,param", BAD_REQUESTS,
-                         ids=[f"{i}-{r.rsplit('/', 1)[-1]}" for i, (r, *_) in enumerate(BAD_REQUESTS)])
+@pytest.mark.parametrize(
+    "route,body,status,words,param",
+    BAD_REQUESTS,
+    ids=[f"{i}-{r.rsplit('/', 1)[-1]}" for i, (r, *_) in enumerate(BAD_REQUESTS)],
+)
 def test_bad_request_then_good_request(http, route, body, status, words, param):
     content = body if isinstance(body, str) else json.dumps(body)
     response = http.post(route, content=content, headers={"content-type": "application/json"})
@@ -129,8 +177,14 @@ def test_openai_client_raises_with_server_message(server):
 
 def test_api_key_required_except_health(server, http):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
-        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("GET", "/metrics"),
-                             ("GET", "/server_info"), ("POST", "/generate"), ("POST", "/flush_cache")):
+        for method, path in (
+            ("GET", "/v1/models"),
+            ("POST", "/v1/completions"),
+            ("GET", "/metrics"),
+            ("GET", "/server_info"),
+            ("POST", "/generate"),
+            ("POST", "/flush_cache"),
+        ):
             response = httpx.request(method, server.url + path, headers=headers, json={"prompt": "x"})
             assert_error(response, 401, "API key")
     assert httpx.get(f"{server.url}/health").status_code == 200
@@ -140,8 +194,12 @@ def test_api_key_required_except_health(server, http):
 
 def test_body_over_limit_is_413(server, http):
     big = json.dumps({"prompt": "x" * (MAX_BODY + 10), "max_tokens": 1})
-    assert_error(http.post("/v1/completions", content=big, headers={"content-type": "application/json"}), 413,
-                 "too large", str(MAX_BODY))
+    assert_error(
+        http.post("/v1/completions", content=big, headers={"content-type": "application/json"}),
+        413,
+        "too large",
+        str(MAX_BODY),
+    )
 
     # Without a Content-Length (chunked upload) the limit holds while the body is read.
     def chunks():
@@ -161,8 +219,9 @@ def test_too_many_in_flight_is_503_with_retry_after(server, http):
             streams = []
             try:
                 for _ in range(MAX_IN_FLIGHT):
-                    response = await client.send(client.build_request("POST", "/v1/completions", json=body),
-                                                 stream=True)
+                    response = await client.send(
+                        client.build_request("POST", "/v1/completions", json=body), stream=True
+                    )
                     assert response.status_code == 200
                     lines = response.aiter_lines()  # kept referenced: a collected iterator closes the stream
                     streams.append((response, lines))
@@ -206,9 +265,23 @@ def test_no_engine_health_503_and_shutdown_ends_streams(tmp_path):
 
     args = ServerArgs(model=str(tiny_model_dir("llama")), device="cpu", port=free_port())
     url = f"http://127.0.0.1:{args.port}"
-    process = subprocess.Popen([sys.executable, "-m", "tokenizer_service", "--server-args-json",
-                                json.dumps(args.to_dict()), "--model-dir", args.model, "--ipc-dir", str(tmp_path)],
-                               cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenizer_service",
+            "--server-args-json",
+            json.dumps(args.to_dict()),
+            "--model-dir",
+            args.model,
+            "--ipc-dir",
+            str(tmp_path),
+        ],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

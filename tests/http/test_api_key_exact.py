@@ -93,11 +93,16 @@ def test_right_key_is_let_in_and_nothing_else(server):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         assert http.get("/health").status_code == 200  # the one route without the key
         # The key anywhere but the Authorization header, and a wrong key before the right one, are refused.
-        for response in (http.post("/v1/completions", json=BODY, headers={"x-api-key": KEY}),
-                         http.post("/v1/completions", json=BODY, headers={"api-key": KEY}),
-                         http.post("/v1/completions", params={"api_key": KEY}, json=BODY),
-                         http.post("/v1/completions", json=BODY,
-                                   headers=[("authorization", f"Bearer {KEY}x"), ("authorization", f"Bearer {KEY}")])):
+        for response in (
+            http.post("/v1/completions", json=BODY, headers={"x-api-key": KEY}),
+            http.post("/v1/completions", json=BODY, headers={"api-key": KEY}),
+            http.post("/v1/completions", params={"api_key": KEY}, json=BODY),
+            http.post(
+                "/v1/completions",
+                json=BODY,
+                headers=[("authorization", f"Bearer {KEY}x"), ("authorization", f"Bearer {KEY}")],
+            ),
+        ):
             assert_error_response(response, 401, "Invalid or missing API key")
         response = http.post("/v1/completions", json=BODY, headers={"authorization": f"Bearer {KEY}"})
         assert response.status_code == 200, response.text
@@ -112,14 +117,32 @@ def launch_status(*flags: str, env_key: str | None = None) -> tuple[int, str]:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        done = subprocess.run([sys.executable, "launch.py", "--model", str(tiny_model_dir("llama")), "--device", "cpu",
-                               "--port", str(taken.getsockname()[1]), *flags], cwd=REPO_ROOT, env=env,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "launch.py",
+                "--model",
+                str(tiny_model_dir("llama")),
+                "--device",
+                "cpu",
+                "--port",
+                str(taken.getsockname()[1]),
+                *flags,
+            ],
+            cwd=REPO_ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     return done.returncode, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("flags,env_key", [(["--api-key", ""], None), (["--api-key", " "], None), ([], ""),
-                                           ([], " \n")], ids=["empty flag", "blank flag", "empty env", "blank env"])
+@pytest.mark.parametrize(
+    "flags,env_key",
+    [(["--api-key", ""], None), (["--api-key", " "], None), ([], ""), ([], " \n")],
+    ids=["empty flag", "blank flag", "empty env", "blank env"],
+)
 def test_an_empty_key_stops_launch(flags, env_key):
     code, output = launch_status(*flags, env_key=env_key)
     assert code == 2 and "launch.py: error: the API key is empty" in output, (code, output)

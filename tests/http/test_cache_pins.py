@@ -31,8 +31,15 @@ FLOOD_PROMPTS, FLOOD_TOKENS = 12, 150  # 1800 tokens through a 1024-token pool
 def server(tmp_path_factory):
     pins = tmp_path_factory.mktemp("pins") / "pins.jsonl"
     pins.write_text(json.dumps({"messages": SYSTEM}) + "\n\n")
-    with launched_server(tiny_model_dir("llama"), "--max-total-tokens", str(POOL_TOKENS), "--max-pinned-tokens",
-                         str(MAX_PINNED), "--pin-prompts", str(pins)) as server:
+    with launched_server(
+        tiny_model_dir("llama"),
+        "--max-total-tokens",
+        str(POOL_TOKENS),
+        "--max-pinned-tokens",
+        str(MAX_PINNED),
+        "--pin-prompts",
+        str(pins),
+    ) as server:
         yield server
 
 
@@ -51,8 +58,10 @@ def flood(http: httpx.Client, first: int) -> None:
 def test_startup_pin_is_listed_and_hit_by_chat(http):
     startup = [p for p in pins(http).values() if p["cache_salt"] is None and p["expires_at"] is None]
     assert len(startup) == 1 and startup[0]["num_tokens"] > 5, startup
-    chat = http.post("/v1/chat/completions", json={
-        "messages": [*SYSTEM, {"role": "user", "content": "hello"}], "max_tokens": 1, "temperature": 0})
+    chat = http.post(
+        "/v1/chat/completions",
+        json={"messages": [*SYSTEM, {"role": "user", "content": "hello"}], "max_tokens": 1, "temperature": 0},
+    )
     assert chat.status_code == 200, chat.text
     # The system prompt rendered without a generation prompt is a token prefix of the chat prompt.
     assert chat.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= startup[0]["num_tokens"]
@@ -95,8 +104,7 @@ def test_pins_survive_flush_unless_asked(http):
 
 def test_max_pinned_tokens_gives_409(http, server):
     too_long = prompt_ids(40, MAX_PINNED + 1)
-    error = assert_error_response(http.post("/v1/cache/pin", json={"input_ids": too_long}), 409,
-                                  "--max-pinned-tokens")
+    error = assert_error_response(http.post("/v1/cache/pin", json={"input_ids": too_long}), 409, "--max-pinned-tokens")
     assert error["type"] and error["param"] is None
     first = pin(http, input_ids=prompt_ids(41, 200))
     # 200 + 200 tokens over 300: computed, found over the bound, undone.
@@ -123,16 +131,18 @@ def test_unpin_and_bad_bodies(http):
     pinned = pin(http, input_ids=prompt_ids(60, 20))
     assert http.delete(f"/v1/cache/pin/{pinned['id']}").json()["deleted"] is True
     assert_error_response(http.delete(f"/v1/cache/pin/{pinned['id']}"), 404, pinned["id"])
-    for body, words in (({"prompt": "x", "input_ids": [1, 2]}, "exactly one"),
-                        ({}, "exactly one"),
-                        ({"input_ids": [1, 2], "ttl_seconds": -1}, "ttl_seconds"),
-                        ({"input_ids": [1, 2], "ttl_seconds": "soon"}, "ttl_seconds"),
-                        ({"input_ids": [[1, 2], [3]]}, "one list"),
-                        ({"prompt": ["a", "b"]}, "one string"),
-                        ({"prompt": 5}, "one string"),
-                        ({"input_ids": [10**9]}, "vocabulary"),
-                        ({"messages": []}, "messages"),
-                        ({"prompt": "x", "cache_salt": ""}, "cache_salt")):
+    for body, words in (
+        ({"prompt": "x", "input_ids": [1, 2]}, "exactly one"),
+        ({}, "exactly one"),
+        ({"input_ids": [1, 2], "ttl_seconds": -1}, "ttl_seconds"),
+        ({"input_ids": [1, 2], "ttl_seconds": "soon"}, "ttl_seconds"),
+        ({"input_ids": [[1, 2], [3]]}, "one list"),
+        ({"prompt": ["a", "b"]}, "one string"),
+        ({"prompt": 5}, "one string"),
+        ({"input_ids": [10**9]}, "vocabulary"),
+        ({"messages": []}, "messages"),
+        ({"prompt": "x", "cache_salt": ""}, "cache_salt"),
+    ):
         assert_error_response(http.post("/v1/cache/pin", json=body), 400, words)
 
 

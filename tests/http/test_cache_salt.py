@@ -19,8 +19,10 @@ from server_fixture import launched_server
 pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
 
 PROMPT = [300 + (i * 31) % 20000 for i in range(80)]
-MESSAGES = [{"role": "system", "content": "A long shared system prompt that every tenant of this server sends."},
-            {"role": "user", "content": "hello"}]
+MESSAGES = [
+    {"role": "system", "content": "A long shared system prompt that every tenant of this server sends."},
+    {"role": "user", "content": "hello"},
+]
 
 
 @pytest.fixture(scope="module")
@@ -36,15 +38,17 @@ def http(server):
 
 
 def completion_cached(http: httpx.Client, prompt: list[int], salt: str) -> int:
-    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0,
-                                                  "cache_salt": salt})
+    response = http.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": 2, "temperature": 0, "cache_salt": salt}
+    )
     assert response.status_code == 200, response.text
     return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
 def generate_cached(http: httpx.Client, prompt: list[int], salt: str) -> int:
-    response = http.post("/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 2},
-                                            "cache_salt": salt})
+    response = http.post(
+        "/generate", json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}, "cache_salt": salt}
+    )
     assert response.status_code == 200, response.text
     return response.json()["meta_info"]["cached_tokens"]
 
@@ -65,8 +69,9 @@ def test_salts_on_chat_with_the_openai_package(server):
         model = client.models.list().data[0].id
 
         def cached(salt: str) -> int:
-            reply = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0,
-                                                   extra_body={"cache_salt": salt})
+            reply = client.chat.completions.create(
+                model=model, messages=MESSAGES, max_tokens=2, temperature=0, extra_body={"cache_salt": salt}
+            )
             return reply.usage.prompt_tokens_details.cached_tokens
 
         assert cached("x") == 0
@@ -75,24 +80,29 @@ def test_salts_on_chat_with_the_openai_package(server):
         # And the radixserve client passes the field through.
         with Client(server.url, timeout=60) as ours:
             assert ours.chat(MESSAGES, max_tokens=2, temperature=0, cache_salt="y").usage.cached_tokens > 0
-            assert ours.generate(input_ids=PROMPT, sampling_params={"max_new_tokens": 2},
-                                 cache_salt="tenant-z").cached_tokens == 0
+            assert (
+                ours.generate(
+                    input_ids=PROMPT, sampling_params={"max_new_tokens": 2}, cache_salt="tenant-z"
+                ).cached_tokens
+                == 0
+            )
 
 
 def test_require_cache_salt_refuses_requests_without_one(http):
-    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-                       ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
-                       ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}),
-                       ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
-                       ("/v1/cache/pin", {"prompt": "hi"})):
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "max_tokens": 2}),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "stream": True}),
+        ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2}}),
+        ("/v1/cache/pin", {"prompt": "hi"}),
+    ):
         error = assert_error_response(http.post(path, json=body), 400, "cache_salt", "--require-cache-salt")
         assert error["param"] == "cache_salt" and error["type"] == "invalid_request_error"
 
 
 def test_bad_salts_are_400(http):
     for salt, words in (("", "non-empty"), (5, "string"), ("s" * 257, "at most 256")):
-        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
-                           ("/generate", {"text": "hi"})):
+        for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}), ("/generate", {"text": "hi"})):
             response = http.post(path, json={**body, "cache_salt": salt})
             assert_error_response(response, 400, "cache_salt", words)
 

@@ -57,9 +57,13 @@ def system_prompt(rng: random.Random) -> str:
 
 def conversations(rng: random.Random, distinct_prompts: int) -> list[list[dict]]:
     prompts = [system_prompt(rng) for _ in range(distinct_prompts)]
-    return [[{"role": "system", "content": prompts[i % distinct_prompts]},
-             {"role": "user", "content": f"Question {i}: what does rule {rng.randint(1, 99)} say?"}]
-            for i in range(BURST)]
+    return [
+        [
+            {"role": "system", "content": prompts[i % distinct_prompts]},
+            {"role": "user", "content": f"Question {i}: what does rule {rng.randint(1, 99)} say?"},
+        ]
+        for i in range(BURST)
+    ]
 
 
 async def burst(url: str, chats: list[list[dict]]) -> tuple[float, list[bytes]]:
@@ -93,13 +97,14 @@ def test_shared_system_prompts_tokenize_5x_faster_than_distinct_ones(server, tok
             seconds, bodies = asyncio.run(burst(server.url, chats))
             times[shape].append(seconds)
             for index in (0, SHARED_PROMPTS, BURST - 1):  # what came back is the whole prompt's ids
-                assert httpx.Response(200, content=bodies[index]).json()["tokens"] == \
-                    whole_ids(tokenizer, chats[index])
+                assert httpx.Response(200, content=bodies[index]).json()["tokens"] == whole_ids(tokenizer, chats[index])
     tokens = len(whole_ids(tokenizer, chats[0]))
     shared, distinct = min(times["shared"]), min(times["distinct"])
-    print(f"\n{BURST} concurrent /v1/tokenize calls, ~{tokens} tokens each: {SHARED_PROMPTS} shared system prompts "
-          f"{shared * 1e3:.0f} ms, {BURST} distinct {distinct * 1e3:.0f} ms ({distinct / shared:.1f}x); "
-          f"all rounds: {times}")
+    print(
+        f"\n{BURST} concurrent /v1/tokenize calls, ~{tokens} tokens each: {SHARED_PROMPTS} shared system prompts "
+        f"{shared * 1e3:.0f} ms, {BURST} distinct {distinct * 1e3:.0f} ms ({distinct / shared:.1f}x); "
+        f"all rounds: {times}"
+    )
     assert distinct >= 5 * shared, times
 
 
@@ -112,8 +117,12 @@ def metric(server, name: str) -> float:
 
 def test_every_chat_route_takes_the_whole_prompt_ids_from_the_pieces(server, tokenizer):
     system = {"role": "system", "content": "You answer in one line. " * 30}
-    turns = [system, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"},
-             {"role": "user", "content": " And now? "}]
+    turns = [
+        system,
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": " And now? "},
+    ]
     expected = whole_ids(tokenizer, turns)
     with httpx.Client(base_url=server.url, timeout=120) as http:
         for _ in range(2):  # cold, then every piece from the cache
@@ -128,9 +137,12 @@ def test_every_chat_route_takes_the_whole_prompt_ids_from_the_pieces(server, tok
 
 
 def test_a_cache_salt_finds_no_piece_another_tenant_left(server):
-    secret = [{"role": "system", "content": "The launch code of tenant A is 4417. " * 10},
-              {"role": "user", "content": "Remind me."}]
+    secret = [
+        {"role": "system", "content": "The launch code of tenant A is 4417. " * 10},
+        {"role": "user", "content": "Remind me."},
+    ]
     with httpx.Client(base_url=server.url, timeout=120) as http:
+
         def hits_of(body: dict) -> float:
             before = metric(server, "chat_segment_cache_hits_total")
             assert http.post("/v1/chat/completions", json={**body, "max_tokens": 1}).status_code == 200

@@ -15,9 +15,19 @@ from pathlib import Path
 import pytest
 from server_fixture import free_port, launched_server
 
-from radixserve.client import (AsyncClient, AsyncStream, ChatResult, Client, CompletionResult, GenerateResult,
-                               RadixServeConnectionError, RadixServeError, RadixServeTimeoutError, Stream,
-                               StreamChunk)
+from radixserve.client import (
+    AsyncClient,
+    AsyncStream,
+    ChatResult,
+    Client,
+    CompletionResult,
+    GenerateResult,
+    RadixServeConnectionError,
+    RadixServeError,
+    RadixServeTimeoutError,
+    Stream,
+    StreamChunk,
+)
 from radixserve.testing.smollm2 import smollm2_dir
 from radixserve.testing.tiny_models import tiny_model_dir
 
@@ -85,10 +95,11 @@ def test_generate(client):
     assert isinstance(batch, list) and len(batch) == 2 and batch[0].text == result.text
     # A stop token id ends generation with finish_reason stop and says which token matched.
     stop_at = result.output_ids[2]
-    stopped = client.generate("The quick brown fox",
-                              sampling_params={"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_at]})
+    stopped = client.generate(
+        "The quick brown fox", sampling_params={"max_new_tokens": 6, "temperature": 0, "stop_token_ids": [stop_at]}
+    )
     assert stopped.finish_reason == "stop" and stopped.matched_stop == stop_at
-    assert stopped.output_ids == result.output_ids[:result.output_ids.index(stop_at) + 1]
+    assert stopped.output_ids == result.output_ids[: result.output_ids.index(stop_at) + 1]
 
 
 def test_generate_needs_one_input(client):
@@ -134,8 +145,9 @@ def test_generate_stream_equals_non_stream(client):
 
 
 def test_closing_a_stream_aborts_the_request(client):
-    with client.generate("Endless", sampling_params={"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0},
-                         stream=True) as stream:
+    with client.generate(
+        "Endless", sampling_params={"max_new_tokens": 3000, "ignore_eos": True, "temperature": 0}, stream=True
+    ) as stream:
         first = next(stream)
         assert first.text or first.output_ids
     deadline = time.monotonic() + 5
@@ -162,8 +174,12 @@ def test_async_client(url, client):
             )
             assert isinstance(stream, AsyncStream)
             streamed = [c async for c in stream]
-            gen_streamed = [c async for c in await ac.generate(
-                "Hello", sampling_params={"max_new_tokens": 8, "temperature": 0}, stream=True)]
+            gen_streamed = [
+                c
+                async for c in await ac.generate(
+                    "Hello", sampling_params={"max_new_tokens": 8, "temperature": 0}, stream=True
+                )
+            ]
             with pytest.raises(RadixServeError) as err:
                 await ac.completions("Hello", max_tokens=0)
             assert err.value.status_code == 400 and "max_tokens" in err.value.message
@@ -260,11 +276,12 @@ def _readme_example() -> str:
 
 def test_module_docstring_has_the_readme_example():
     import radixserve.client as module
+
     lines = [line for line in _readme_example().splitlines() if line.strip()]
     assert len(lines) == 4 or len(lines) == 5
     doc_lines = [line for line in module.__doc__.splitlines() if line.strip()]
     start = doc_lines.index(lines[0])
-    assert doc_lines[start:start + len(lines)] == lines
+    assert doc_lines[start : start + len(lines)] == lines
 
 
 def _readme_curl() -> str:
@@ -284,8 +301,13 @@ def test_readme_examples_answer_paris():
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             exec(compile(code, "README.md", "exec"), {})
-        curl = subprocess.run(_readme_curl().replace("http://127.0.0.1:30000", server.url), shell=True,
-                              capture_output=True, text=True, timeout=60)
+        curl = subprocess.run(
+            _readme_curl().replace("http://127.0.0.1:30000", server.url),
+            shell=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert "Paris" in out.getvalue(), out.getvalue()
     answer = json.loads(curl.stdout)["choices"][0]["message"]["content"]
     assert "Paris" in answer, curl.stdout

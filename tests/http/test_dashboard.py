@@ -37,8 +37,14 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 SYSTEM = "You are the radixserve dashboard test assistant. Answer briefly and kindly."
 # Each question starts with its own word, so the pinned prompt ends where cached sequences part: it is a prefix of
 # its own in the tree (RadixCache.largest_prefixes), not only the start of longer ones.
-QUESTIONS = (" What is two plus two?", " Why is the sky blue?", " How do birds fly?", " Where is Paris?",
-             " Which planet is red?", " Who wrote Hamlet?")
+QUESTIONS = (
+    " What is two plus two?",
+    " Why is the sky blue?",
+    " How do birds fly?",
+    " Where is Paris?",
+    " Which planet is red?",
+    " Who wrote Hamlet?",
+)
 ROUNDS = 3
 SALT = "tenant-secret-salt"
 CHROMIUM = "/usr/bin/chromium"
@@ -117,15 +123,17 @@ def workload(http):
     last_sample = 0.0
     for _ in range(ROUNDS):
         for question in QUESTIONS:
-            reply = http.post("/v1/completions", json={"prompt": SYSTEM + question, "max_tokens": 3,
-                                                       "temperature": 0}, headers=AUTH)
+            reply = http.post(
+                "/v1/completions", json={"prompt": SYSTEM + question, "max_tokens": 3, "temperature": 0}, headers=AUTH
+            )
             assert reply.status_code == 200, reply.text
         time.sleep(max(0.0, last_sample + 1.05 - time.time()))
         assert http.get("/v1/cache/stats", headers=AUTH).status_code == 200
         last_sample = time.time()
     # One tenant with its own namespace: the page may name it only by a digest of its salt.
-    reply = http.post("/v1/completions", json={"prompt": "A tenant's own prompt.", "max_tokens": 2,
-                                               "cache_salt": SALT}, headers=AUTH)
+    reply = http.post(
+        "/v1/completions", json={"prompt": "A tenant's own prompt.", "max_tokens": 2, "cache_salt": SALT}, headers=AUTH
+    )
     assert reply.status_code == 200, reply.text
     return pin.json()
 
@@ -159,7 +167,8 @@ def test_stats_account_for_every_kv_slot_and_the_pin(http, workload):
     # Every question after the pin found at least the pinned tokens cached.
     assert s["prompt_tokens_cached"] >= ROUNDS * len(QUESTIONS) * workload["num_tokens"]
     assert s["cache_hit_rate"] == pytest.approx(
-        s["prompt_tokens_cached"] / (s["prompt_tokens_cached"] + s["prompt_tokens_computed"]))
+        s["prompt_tokens_cached"] / (s["prompt_tokens_cached"] + s["prompt_tokens_computed"])
+    )
     assert s["eviction_policy"] == "lru" and s["hicache"] is True
     assert s["hicache_capacity_tokens"] > 1000 and s["hicache_tokens"] == s["hicache_hits"] == 0  # nothing evicted
     assert len(s["history"]["samples"]) >= ROUNDS
@@ -233,9 +242,21 @@ def chromium(url: str, profile: Path, *mode: str) -> str:
     """Chromium's own headless mode: load the page, let its timers run for 5 s of virtual time (a stats poll
     answers first), then dump the DOM or take a screenshot. The network is closed, hence no background traffic."""
     assert Path(CHROMIUM).is_file(), f"{CHROMIUM} is missing: run scripts/install-test-browser.sh (as root)"
-    command = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-               "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
-               f"--user-data-dir={profile}", "--virtual-time-budget=5000", *mode, url]
+    command = [
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={profile}",
+        "--virtual-time-budget=5000",
+        *mode,
+        url,
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
     assert done.returncode == 0, f"chromium exited {done.returncode}:\n{done.stderr[-3000:]}"
     return done.stdout
@@ -267,8 +288,13 @@ def test_the_page_in_chromium(server, http, workload, tmp_path):
     assert len(dom.rows) == len(s["largest_prefixes"]) > len(QUESTIONS)
 
     shot = tmp_path / "cache-dashboard.png"
-    chromium(f"{page}#key={KEY}", tmp_path / "profile-shot", "--hide-scrollbars", "--window-size=1280,1180",
-             f"--screenshot={shot}")
+    chromium(
+        f"{page}#key={KEY}",
+        tmp_path / "profile-shot",
+        "--hide-scrollbars",
+        "--window-size=1280,1180",
+        f"--screenshot={shot}",
+    )
     png = shot.read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     width, height = int.from_bytes(png[16:20], "big"), int.from_bytes(png[20:24], "big")

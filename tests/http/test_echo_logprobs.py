@@ -44,8 +44,11 @@ def model(client):
 @pytest.fixture(scope="module")
 def generated(server):
     """PROMPT_IDS continued greedily, with the logprob decoding gave each generated token."""
-    body = {"input_ids": PROMPT_IDS, "sampling_params": {"temperature": 0, "max_new_tokens": GENERATED,
-                                                          "ignore_eos": True}, "return_logprob": True}
+    body = {
+        "input_ids": PROMPT_IDS,
+        "sampling_params": {"temperature": 0, "max_new_tokens": GENERATED, "ignore_eos": True},
+        "return_logprob": True,
+    }
     result = httpx.post(f"{server.url}/generate", json=body, timeout=300).json()
     return result["output_ids"], [lp for lp, _, _ in result["meta_info"]["output_token_logprobs"]]
 
@@ -53,14 +56,13 @@ def generated(server):
 def test_prompt_logprobs_equal_the_logprobs_the_tokens_were_generated_with(client, model, generated):
     output_ids, output_logprobs = generated
     prompt = PROMPT_IDS + output_ids  # its prefix is in the radix cache from the generation
-    reply = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=1,
-                                      temperature=0)
+    reply = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=1, temperature=0)
     choice = reply.choices[0]
     lp = choice.logprobs
     assert len(lp.tokens) == len(prompt) + 1 and len(lp.token_logprobs) == len(prompt) + 1
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
     assert all(isinstance(v, float) for v in lp.token_logprobs[1:])  # chunk boundaries included
-    echoed = lp.token_logprobs[len(PROMPT_IDS):len(prompt)]
+    echoed = lp.token_logprobs[len(PROMPT_IDS) : len(prompt)]
     assert echoed == pytest.approx(output_logprobs, abs=1e-3)
     for position in range(1, len(prompt)):
         top = lp.top_logprobs[position]
@@ -72,8 +74,7 @@ def test_prompt_logprobs_equal_the_logprobs_the_tokens_were_generated_with(clien
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
     # Every prompt token was computed, none taken from the cache (a cached prefix has no logits).
     assert reply.usage.prompt_tokens_details.cached_tokens == 0
-    again = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=1,
-                                      temperature=0)
+    again = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=2, max_tokens=1, temperature=0)
     assert again.usage.prompt_tokens_details.cached_tokens == 0
     again_logprobs = again.choices[0].logprobs.token_logprobs
     assert again_logprobs[0] is None and again_logprobs[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
@@ -81,8 +82,7 @@ def test_prompt_logprobs_equal_the_logprobs_the_tokens_were_generated_with(clien
 
 def test_echo_without_logprobs_prepends_each_prompt_to_each_choice(client, model):
     prompts = ["The capital of France is", "Once upon a time"]
-    reply = client.completions.create(model=model, prompt=prompts, echo=True, n=2, max_tokens=4, temperature=1,
-                                      seed=3)
+    reply = client.completions.create(model=model, prompt=prompts, echo=True, n=2, max_tokens=4, temperature=1, seed=3)
     assert len(reply.choices) == 4
     for choice in reply.choices:
         assert choice.text.startswith(prompts[choice.index // 2]) and choice.logprobs is None
@@ -95,25 +95,39 @@ def test_echo_without_logprobs_prepends_each_prompt_to_each_choice(client, model
 
 def test_streamed_echo_concatenates_to_the_whole_reply(client, model, generated):
     prompt = PROMPT_IDS + generated[0]
-    whole = client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=5,
-                                      temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(
+        model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
     text, tokens, logprobs = "", [], []
-    for chunk in client.completions.create(model=model, prompt=prompt, echo=True, logprobs=1, max_tokens=5,
-                                           temperature=0, extra_body={"ignore_eos": True}, stream=True):
+    for chunk in client.completions.create(
+        model=model,
+        prompt=prompt,
+        echo=True,
+        logprobs=1,
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        stream=True,
+    ):
         for choice in chunk.choices:
             text += choice.text
             tokens += choice.logprobs.tokens
             logprobs += choice.logprobs.token_logprobs
     assert text == whole.choices[0].text
     assert tokens == whole.choices[0].logprobs.tokens
-    assert logprobs[0] is None and logprobs[1:] == pytest.approx(whole.choices[0].logprobs.token_logprobs[1:],
-                                                                 abs=1e-4)
+    assert logprobs[0] is None and logprobs[1:] == pytest.approx(whole.choices[0].logprobs.token_logprobs[1:], abs=1e-4)
 
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, model, chat):
-    kw = dict(model=model, max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True},
-              stream_options={"include_usage": True, "continuous_usage_stats": True})
+    kw = dict(
+        model=model,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )
     if chat:
         chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "Hello"}], **kw))
     else:
@@ -131,28 +145,36 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, mode
     assert {c.usage.prompt_tokens for c in chunks} == {final.usage.prompt_tokens}
     # Without include_usage there is no usage at all, as vLLM: continuous_usage_stats alone changes nothing.
     kw["stream_options"] = {"continuous_usage_stats": True}
-    stream = client.chat.completions.create(messages=[{"role": "user", "content": "Hello"}], **kw) if chat else \
-        client.completions.create(prompt="Hello there", **kw)
+    stream = (
+        client.chat.completions.create(messages=[{"role": "user", "content": "Hello"}], **kw)
+        if chat
+        else client.completions.create(prompt="Hello there", **kw)
+    )
     assert all(getattr(c, "usage", None) is None for c in stream)
 
 
 def test_bad_echo_and_usage_fields_are_400s(server):
-    for body, param in [({"prompt": "hi", "echo": 1}, "echo"),
-                        ({"prompt": "hi", "echo": True, "logprobs": 21}, "logprobs"),
-                        ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
-                         "stream_options")]:
+    for body, param in [
+        ({"prompt": "hi", "echo": 1}, "echo"),
+        ({"prompt": "hi", "echo": True, "logprobs": 21}, "logprobs"),
+        ({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": "yes"}}, "stream_options"),
+    ]:
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == param
-    assert httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1},
-                      timeout=60).status_code == 200
+    assert (
+        httpx.post(f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60).status_code
+        == 200
+    )
 
 
 def test_a_priority_without_enable_priority_scheduling_is_a_400(server):
     """As vLLM: a priority the server would ignore is refused; 0 (the default) is always fine."""
-    bodies = {"/v1/completions": {"prompt": "hi", "max_tokens": 1},
-              "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
-              "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1}}}
+    bodies = {
+        "/v1/completions": {"prompt": "hi", "max_tokens": 1},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+        "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 1}},
+    }
     for path, body in bodies.items():
         refused = httpx.post(f"{server.url}{path}", json={**body, "priority": 1}, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "priority", refused.text
@@ -199,8 +221,9 @@ def greedy_chat(client, model, messages, **extra):
     """A greedy chat reply; extra: fields the openai package does not know (echo, ignore_eos, ...)."""
     logprobs = extra.pop("logprobs", None)
     kw = {"logprobs": logprobs} if logprobs is not None else {}
-    return client.chat.completions.create(model=model, messages=messages, **GREEDY, **kw,
-                                          extra_body={"ignore_eos": True, **extra})
+    return client.chat.completions.create(
+        model=model, messages=messages, **GREEDY, **kw, extra_body={"ignore_eos": True, **extra}
+    )
 
 
 def test_continue_final_message_goes_on_with_the_prefilled_reply(client, model):
@@ -225,8 +248,10 @@ def test_echo_puts_the_prefilled_reply_before_the_generated_content(client, mode
     assert echoed.usage.prompt_tokens == plain.usage.prompt_tokens
     # Without continue_final_message the reply is a new assistant turn after the given one: echoed all the same.
     new_turn = greedy_chat(client, model, PREFILLED)
-    assert greedy_chat(client, model, PREFILLED, echo=True).choices[0].message.content == \
-        PREFILL + new_turn.choices[0].message.content
+    assert (
+        greedy_chat(client, model, PREFILLED, echo=True).choices[0].message.content
+        == PREFILL + new_turn.choices[0].message.content
+    )
 
 
 def test_echo_of_a_final_user_message_adds_nothing(client, model):
@@ -234,8 +259,9 @@ def test_echo_of_a_final_user_message_adds_nothing(client, model):
     echoed = greedy_chat(client, model, QUESTION, echo=True)
     assert echoed.choices[0].message.content == plain.choices[0].message.content
     # Content parts of a final assistant message are joined as the template sees them (newlines, as vLLM).
-    parts = QUESTION + [{"role": "assistant", "content": [{"type": "text", "text": "The"},
-                                                          {"type": "text", "text": "answer"}]}]
+    parts = QUESTION + [
+        {"role": "assistant", "content": [{"type": "text", "text": "The"}, {"type": "text", "text": "answer"}]}
+    ]
     reply = greedy_chat(client, model, parts, echo=True, **CONTINUE)
     assert reply.choices[0].message.content.startswith("The\nanswer")
 
@@ -257,8 +283,17 @@ def test_echo_with_logprobs_gives_the_generated_tokens_only(client, model):
 def test_streamed_echo_is_its_own_delta_after_the_role(client, model, messages, prefix):
     extra = {"echo": True, **(CONTINUE if prefix else {})}
     whole = greedy_chat(client, model, messages, **extra)
-    chunks = list(client.chat.completions.create(model=model, messages=messages, **GREEDY, n=2, stream=True,
-                                                 logprobs=True, extra_body={"ignore_eos": True, **extra}))
+    chunks = list(
+        client.chat.completions.create(
+            model=model,
+            messages=messages,
+            **GREEDY,
+            n=2,
+            stream=True,
+            logprobs=True,
+            extra_body={"ignore_eos": True, **extra},
+        )
+    )
     for index in (0, 1):
         deltas = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
         assert deltas[0].delta.role == "assistant" and not deltas[0].delta.content
@@ -273,11 +308,19 @@ def test_streamed_echo_is_its_own_delta_after_the_role(client, model, messages, 
 
 def test_bad_chat_echo_fields_are_400s(server):
     url = f"{server.url}/v1/chat/completions"
-    for body, param in [({"echo": "yes"}, "echo"),
-                        ({"continue_final_message": 1}, "continue_final_message"),
-                        ({"continue_final_message": True}, "continue_final_message"),  # with a generation prompt
-                        ({"continue_final_message": True, "chat_template_kwargs": {"add_generation_prompt": True},
-                          "add_generation_prompt": False}, "continue_final_message")]:
+    for body, param in [
+        ({"echo": "yes"}, "echo"),
+        ({"continue_final_message": 1}, "continue_final_message"),
+        ({"continue_final_message": True}, "continue_final_message"),  # with a generation prompt
+        (
+            {
+                "continue_final_message": True,
+                "chat_template_kwargs": {"add_generation_prompt": True},
+                "add_generation_prompt": False,
+            },
+            "continue_final_message",
+        ),
+    ]:
         response = httpx.post(url, json={"messages": PREFILLED, "max_tokens": 1, **body}, timeout=60)
         assert response.status_code == 400, (body, response.text)
         assert response.json()["error"]["param"] == param, response.text

@@ -28,8 +28,17 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def server():
-    with launched_server(tiny_model_dir("llama"), "--allowed-origins", GOOD_ORIGIN, "--context-length", str(CONTEXT),
-                         "--max-header-bytes", str(MAX_HEADER), "--tokenizer-workers", "1") as server:
+    with launched_server(
+        tiny_model_dir("llama"),
+        "--allowed-origins",
+        GOOD_ORIGIN,
+        "--context-length",
+        str(CONTEXT),
+        "--max-header-bytes",
+        str(MAX_HEADER),
+        "--tokenizer-workers",
+        "1",
+    ) as server:
         yield server
 
 
@@ -48,16 +57,27 @@ def test_host_header_must_name_this_server(server, http):
         for method, path in (("GET", "/server_info"), ("GET", "/v1/models"), ("POST", "/v1/completions")):
             response = http.request(method, path, headers={"host": host, **JSON}, content=b'{"prompt": "x"}')
             assert_error_response(response, 403, "Host", "--allowed-hosts")
-    for host in ("localhost", f"localhost:{server.port}", "127.0.0.1", f"127.0.0.1:{server.port}",
-                 f"[::1]:{server.port}", "LOCALHOST"):
+    for host in (
+        "localhost",
+        f"localhost:{server.port}",
+        "127.0.0.1",
+        f"127.0.0.1:{server.port}",
+        f"[::1]:{server.port}",
+        "LOCALHOST",
+    ):
         assert http.get("/v1/models", headers={"host": host}).status_code == 200, host
         assert completion(http, host=host).status_code == 200, host
 
 
 def test_post_bodies_must_be_json(http):
     body = json.dumps({"prompt": "hello", "max_tokens": 2})
-    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
-                         "application/jsonx", "text/json"):
+    for content_type in (
+        "text/plain",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonx",
+        "text/json",
+    ):
         response = http.post("/v1/completions", content=body, headers={"content-type": content_type})
         assert_error_response(response, 415, "application/json", content_type.split(";")[0])
     no_type = http.build_request("POST", "/v1/completions", content=body)
@@ -95,8 +115,11 @@ def test_header_size_limit_is_431(server, http):
     head = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (16 << 20)
     status, headers, body = raw_request(server.port, head)
     assert_openai_error(status, body, 431, "--max-header-bytes")
-    many = b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n" + b"".join(
-        b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(400)) + b"\r\n"
+    many = (
+        b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\n"
+        + b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 100) for i in range(400))
+        + b"\r\n"
+    )
     status, _, body = raw_request(server.port, many)
     assert_openai_error(status, body, 431)
     assert http.get("/v1/models", headers={"x-padding": "a" * 1000}).status_code == 200
@@ -104,10 +127,18 @@ def test_header_size_limit_is_431(server, http):
 
 PARSER_ERRORS = [
     ("bad method", b"FOO@ /v1/models HTTP/1.1\r\nHost: localhost\r\n\r\n", ["Invalid HTTP request"]),
-    ("bad chunk size", b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                       b"Transfer-Encoding: chunked\r\n\r\nZZ\r\n{}\r\n0\r\n\r\n", ["Invalid HTTP request"]),
-    ("CL with TE", b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
-                   b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n", ["Invalid HTTP"]),
+    (
+        "bad chunk size",
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\nZZ\r\n{}\r\n0\r\n\r\n",
+        ["Invalid HTTP request"],
+    ),
+    (
+        "CL with TE",
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+        ["Invalid HTTP"],
+    ),
     ("bad version", b"GET /v1/models HTTP/9.9\r\nHost: localhost\r\n\r\n", ["Invalid HTTP request"]),
     ("space in header name", b"GET /v1/models HTTP/1.1\r\nHost: localhost\r\nBad Header: x\r\n\r\n", ["Invalid"]),
     ("bad content length", b"POST /generate HTTP/1.1\r\nHost: localhost\r\nContent-Length: abc\r\n\r\n", ["Invalid"]),
@@ -124,14 +155,20 @@ def test_http_parser_errors_are_openai_json(server, http, name, data, words):
 
 def test_request_cannot_supply_a_chat_template(http):
     messages = [{"role": "user", "content": "hi"}]
-    for kwargs, key in (({"chat_template": "{% for i in range(99999) %}x{% endfor %}"}, "chat_template"),
-                        ({"enable_thinking": False, "tools": []}, "tools"), ({"tokenize": False}, "tokenize")):
-        response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
-                                                           "chat_template_kwargs": kwargs})
+    for kwargs, key in (
+        ({"chat_template": "{% for i in range(99999) %}x{% endfor %}"}, "chat_template"),
+        ({"enable_thinking": False, "tools": []}, "tools"),
+        ({"tokenize": False}, "tokenize"),
+    ):
+        response = http.post(
+            "/v1/chat/completions", json={"messages": messages, "max_tokens": 2, "chat_template_kwargs": kwargs}
+        )
         error = assert_error_response(response, 400, repr(key), "server's own")
         assert error["param"] == "chat_template_kwargs"
-    response = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2,
-                                                       "chat_template_kwargs": {"enable_thinking": False}})
+    response = http.post(
+        "/v1/chat/completions",
+        json={"messages": messages, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False}},
+    )
     assert response.status_code == 200, response.text
 
 
@@ -142,9 +179,11 @@ def test_health_answers_while_a_7mb_prompt_is_tokenized(server, http, route):
     # nothing the chat case left behind makes it quicker.)
     phrase = "good day, how is it going? " if route == "/v1/responses" else "hello world, how are you? "
     prompt = phrase * (7_000_000 // len(phrase))
-    body = {"/v1/completions": {"prompt": prompt, "max_tokens": 1},
-            "/v1/chat/completions": {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1},
-            "/v1/responses": {"input": prompt, "max_output_tokens": 1}}[route]
+    body = {
+        "/v1/completions": {"prompt": prompt, "max_tokens": 1},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1},
+        "/v1/responses": {"input": prompt, "max_output_tokens": 1},
+    }[route]
     outcome = {}
 
     def send_big():
@@ -171,10 +210,12 @@ def test_health_answers_while_a_7mb_prompt_is_tokenized(server, http, route):
 
 
 def test_http_process_imports_no_torch():
-    code = ("import sys, radixserve.config, tokenizer_service.server, tokenizer_service.__main__\n"
-            "radixserve.config.ServerArgs(device='cpu', port=1)\n"
-            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'scheduler_service', 'triton'))\n"
-            "print(bad)\n")
+    code = (
+        "import sys, radixserve.config, tokenizer_service.server, tokenizer_service.__main__\n"
+        "radixserve.config.ServerArgs(device='cpu', port=1)\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'scheduler_service', 'triton'))\n"
+        "print(bad)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", result.stdout

@@ -46,27 +46,31 @@ def ok(response: httpx.Response) -> dict:
 
 
 def over_the_pool(response: httpx.Response, prompt: int, completion: int) -> None:
-    error = assert_error_response(response, 400, f"holds at most {POOL} tokens per sequence",
-                                  f"requested {prompt + completion} tokens ({prompt} in the prompt, {completion} in "
-                                  f"the completion)")
+    error = assert_error_response(
+        response,
+        400,
+        f"holds at most {POOL} tokens per sequence",
+        f"requested {prompt + completion} tokens ({prompt} in the prompt, {completion} in the completion)",
+    )
     assert error["param"] == "max_tokens"
 
 
 def test_prompt_plus_max_tokens_at_the_kv_pool(http):
     reply = ok(http.post(C, json={"prompt": ids(100, POOL - 28), "max_tokens": 28, "ignore_eos": True}))
     assert reply["usage"]["completion_tokens"] == 28 and reply["usage"]["total_tokens"] == POOL
-    reply = ok(http.post(G, json={"input_ids": ids(100, POOL - 1),
-                                  "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}))
+    reply = ok(
+        http.post(
+            G, json={"input_ids": ids(100, POOL - 1), "sampling_params": {"max_new_tokens": 1, "ignore_eos": True}}
+        )
+    )
     assert reply["meta_info"]["completion_tokens"] == 1
     for prompt, completion in ((POOL - 27, 28), (POOL - 28, 29), (POOL, 1)):
         over_the_pool(http.post(C, json={"prompt": ids(100, prompt), "max_tokens": completion}), prompt, completion)
-    over_the_pool(http.post(G, json={"input_ids": ids(100, POOL), "sampling_params": {"max_new_tokens": 1}}),
-                  POOL, 1)
+    over_the_pool(http.post(G, json={"input_ids": ids(100, POOL), "sampling_params": {"max_new_tokens": 1}}), POOL, 1)
     messages = [{"role": "user", "content": "hi"}]
     count = ok(http.post("/v1/tokenize", json={"messages": messages}))["count"]
     ok(http.post(CH, json={"messages": messages, "max_tokens": POOL - count}))
-    over_the_pool(http.post(CH, json={"messages": messages, "max_tokens": POOL - count + 1}), count,
-                  POOL - count + 1)
+    over_the_pool(http.post(CH, json={"messages": messages, "max_tokens": POOL - count + 1}), count, POOL - count + 1)
 
 
 def test_two_sequences_of_the_whole_pool_take_turns(http):
@@ -89,8 +93,11 @@ def test_one_pin_at_the_pinned_token_limit(http, server):
     assert made["num_tokens"] == made["pinned_tokens"] == MAX_PINNED
     assert server.server_info()["kv_pinned"] == MAX_PINNED
     assert http.delete(f"/v1/cache/pin/{made['id']}").status_code == 200
-    error = assert_error_response(pin(http, ids(600, MAX_PINNED + 1)), 409, f"pinning these {MAX_PINNED + 1} tokens, "
-                                  f"more than this server's limit of {MAX_PINNED} pinned tokens")
+    error = assert_error_response(
+        pin(http, ids(600, MAX_PINNED + 1)),
+        409,
+        f"pinning these {MAX_PINNED + 1} tokens, more than this server's limit of {MAX_PINNED} pinned tokens",
+    )
     assert "would make" not in error["message"]  # refused as it came, before its prefix was computed
     assert server.server_info()["kv_pinned"] == 0
 
@@ -113,8 +120,9 @@ def test_pin_ttl_at_the_limit(http):
     assert http.delete(f"/v1/cache/pin/{made['id']}").status_code == 200
     ok(pin(http, ids(1100, 8), ttl_seconds=math.nextafter(0.0, 1.0)))  # the shortest TTL: expired at once
     for ttl in (math.nextafter(MAX_TTL_S, math.inf), 0.0):
-        error = assert_error_response(pin(http, ids(1200, 8), ttl_seconds=ttl), 400,
-                                      f"ttl_seconds must be a number in (0, {MAX_TTL_S:.0f}]")
+        error = assert_error_response(
+            pin(http, ids(1200, 8), ttl_seconds=ttl), 400, f"ttl_seconds must be a number in (0, {MAX_TTL_S:.0f}]"
+        )
         assert error["param"] == "ttl_seconds"
 
 
@@ -125,9 +133,13 @@ def test_pinned_tokens_leave_the_rest_of_the_pool(http, server):
     room = POOL - MAX_PINNED
     reply = ok(http.post(C, json={"prompt": ids(2000, room - 4), "max_tokens": 4, "ignore_eos": True}))
     assert reply["usage"]["completion_tokens"] == 4
-    error = assert_error_response(http.post(C, json={"prompt": ids(2000, room - 4), "max_tokens": 5}), 400,
-                                  f"of which {MAX_PINNED} are pinned", f"needs {room + 1} more",
-                                  f"above the {room} left")
+    error = assert_error_response(
+        http.post(C, json={"prompt": ids(2000, room - 4), "max_tokens": 5}),
+        400,
+        f"of which {MAX_PINNED} are pinned",
+        f"needs {room + 1} more",
+        f"above the {room} left",
+    )
     assert "--pin-prompts" in error["message"]
     # Over the pinned prefix: only its own tokens count against what is left.
     shared = ids(1300, MAX_PINNED) + ids(3000, 10)

@@ -37,10 +37,20 @@ PROMPT = [100 + i % 1000 for i in range(CONTEXT)]  # token ids, no two neighbour
 
 @pytest.fixture(scope="module")
 def server():
-    with launched_server(tiny_model_dir("llama"), "--context-length", str(CONTEXT), "--max-request-bytes",
-                         str(MAX_BODY), "--max-header-bytes",
-                         str(MAX_HEAD), "--max-queued-requests", str(MAX_QUEUED), "--max-sequences-per-request",
-                         str(MAX_PER_REQUEST), "--enable-priority-scheduling") as server:
+    with launched_server(
+        tiny_model_dir("llama"),
+        "--context-length",
+        str(CONTEXT),
+        "--max-request-bytes",
+        str(MAX_BODY),
+        "--max-header-bytes",
+        str(MAX_HEAD),
+        "--max-queued-requests",
+        str(MAX_QUEUED),
+        "--max-sequences-per-request",
+        str(MAX_PER_REQUEST),
+        "--enable-priority-scheduling",
+    ) as server:
         yield server
 
 
@@ -72,15 +82,20 @@ def refused(response: httpx.Response, status: int, *words: str, param: str | Non
 
 
 def test_prompt_plus_max_tokens_at_the_context_length(http):
-    for path, body in ((C, lambda n, m: {"prompt": PROMPT[:n], "max_tokens": m, "ignore_eos": True}),
-                       (G, lambda n, m: {"input_ids": PROMPT[:n],
-                                         "sampling_params": {"max_new_tokens": m, "ignore_eos": True}})):
+    for path, body in (
+        (C, lambda n, m: {"prompt": PROMPT[:n], "max_tokens": m, "ignore_eos": True}),
+        (G, lambda n, m: {"input_ids": PROMPT[:n], "sampling_params": {"max_new_tokens": m, "ignore_eos": True}}),
+    ):
         reply = ok(http.post(path, json=body(CONTEXT - 6, 6)))
         completion = reply["usage"]["completion_tokens"] if path == C else reply["meta_info"]["completion_tokens"]
         assert completion == 6
         for n, m in ((CONTEXT - 5, 6), (CONTEXT - 6, 7)):
-            refused(http.post(path, json=body(n, m)), 400, f"maximum context length is {CONTEXT} tokens",
-                    f"requested {CONTEXT + 1} tokens ({n} in the messages, {m} in the completion)")
+            refused(
+                http.post(path, json=body(n, m)),
+                400,
+                f"maximum context length is {CONTEXT} tokens",
+                f"requested {CONTEXT + 1} tokens ({n} in the messages, {m} in the completion)",
+            )
 
 
 def test_chat_prompt_plus_max_tokens_at_the_context_length(http):
@@ -91,21 +106,34 @@ def test_chat_prompt_plus_max_tokens_at_the_context_length(http):
     reply = ok(http.post(CH, json={"messages": messages, "max_tokens": room, "ignore_eos": True}))
     assert reply["usage"]["prompt_tokens"] == count and reply["usage"]["total_tokens"] == CONTEXT
     for field in ("max_tokens", "max_completion_tokens"):
-        refused(http.post(CH, json={"messages": messages, field: room + 1}), 400,
-                f"requested {CONTEXT + 1} tokens ({count} in the messages, {room + 1} in the completion)")
+        refused(
+            http.post(CH, json={"messages": messages, field: room + 1}),
+            400,
+            f"requested {CONTEXT + 1} tokens ({count} in the messages, {room + 1} in the completion)",
+        )
 
 
 def test_default_max_tokens_is_the_rest_of_the_context(http):
     # An explicit null: the rest of the context, down to one token; none left is a 400 before anything runs.
-    reply = ok(http.post(C, json={"prompt": PROMPT[:CONTEXT - 1], "max_tokens": None, "ignore_eos": True}))
+    reply = ok(http.post(C, json={"prompt": PROMPT[: CONTEXT - 1], "max_tokens": None, "ignore_eos": True}))
     assert reply["usage"]["completion_tokens"] == 1 and reply["choices"][0]["finish_reason"] == "length"
-    refused(http.post(C, json={"prompt": PROMPT, "max_tokens": None}), 400,
-            f"maximum context length is {CONTEXT} tokens. However, your request has {CONTEXT} input tokens")
-    reply = ok(http.post(G, json={"input_ids": PROMPT[:CONTEXT - 1],
-                                  "sampling_params": {"max_new_tokens": None, "ignore_eos": True}}))
+    refused(
+        http.post(C, json={"prompt": PROMPT, "max_tokens": None}),
+        400,
+        f"maximum context length is {CONTEXT} tokens. However, your request has {CONTEXT} input tokens",
+    )
+    reply = ok(
+        http.post(
+            G,
+            json={"input_ids": PROMPT[: CONTEXT - 1], "sampling_params": {"max_new_tokens": None, "ignore_eos": True}},
+        )
+    )
     assert reply["meta_info"]["completion_tokens"] == 1
-    refused(http.post(G, json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": None}}), 400,
-            f"your request has {CONTEXT} input tokens")
+    refused(
+        http.post(G, json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": None}}),
+        400,
+        f"your request has {CONTEXT} input tokens",
+    )
 
 
 # ------------------------------------------------------------------------------ sequences, n, logprobs
@@ -118,16 +146,26 @@ def prompts(k: int) -> list[list[int]]:
 def test_sequences_per_request_at_the_queue_and_at_the_cap(http):
     reply = ok(http.post(C, json={"prompt": prompts(5), "n": 4, "max_tokens": 1}))  # 20: the whole queue
     assert len(reply["choices"]) == MAX_QUEUED
-    refused(http.post(C, json={"prompt": prompts(3), "n": 7, "max_tokens": 1}), 400, "21 sequences (3 prompts x n=7)",
-            f"ever holds in flight ({MAX_QUEUED}, --max-queued-requests)", param="n")
+    refused(
+        http.post(C, json={"prompt": prompts(3), "n": 7, "max_tokens": 1}),
+        400,
+        "21 sequences (3 prompts x n=7)",
+        f"ever holds in flight ({MAX_QUEUED}, --max-queued-requests)",
+        param="n",
+    )
+
     # At the per-request cap the queue still answers (24 > 20); one past the cap, the cap does.
     def generate(k: int) -> httpx.Response:
         return http.post(G, json={"input_ids": prompts(k), "sampling_params": {"max_new_tokens": 1}})
 
     error = refused(generate(MAX_PER_REQUEST), 400, f"{MAX_PER_REQUEST} sequences", "--max-queued-requests")
     assert "--max-sequences-per-request" not in error["message"]
-    refused(generate(MAX_PER_REQUEST + 1), 400, f"{MAX_PER_REQUEST + 1} sequences",
-            f"limit of {MAX_PER_REQUEST} per request (--max-sequences-per-request)")
+    refused(
+        generate(MAX_PER_REQUEST + 1),
+        400,
+        f"{MAX_PER_REQUEST + 1} sequences",
+        f"limit of {MAX_PER_REQUEST} per request (--max-sequences-per-request)",
+    )
 
 
 def test_sequences_in_flight_at_the_limit(http, server):
@@ -142,8 +180,12 @@ def test_sequences_in_flight_at_the_limit(http, server):
         assert len(reply["choices"]) == MAX_N
         assert server.server_info()["num_requests_in_flight"] == 4
         response = http.post(C, json={"prompt": prompts(17), "max_tokens": 1})  # 4 + 17 = 21
-        refused(response, 503, "4 sequences in flight and this request adds 17",
-                f"limit of {MAX_QUEUED} (--max-queued-requests)")
+        refused(
+            response,
+            503,
+            "4 sequences in flight and this request adds 17",
+            f"limit of {MAX_QUEUED} (--max-queued-requests)",
+        )
         assert response.headers["retry-after"]
 
 
@@ -151,21 +193,44 @@ def test_n_at_the_limit(http):
     reply = ok(http.post(CH, json={"messages": CHAT, "n": MAX_N, "max_tokens": 1}))
     assert sorted(c["index"] for c in reply["choices"]) == list(range(MAX_N))
     for path, body in ((CH, {"messages": CHAT, "max_tokens": 1}), (C, {"prompt": "x", "max_tokens": 1})):
-        refused(http.post(path, json={**body, "n": MAX_N + 1}), 400, f"n must be between 1 and {MAX_N}, got 17",
-                param="n")
+        refused(
+            http.post(path, json={**body, "n": MAX_N + 1}), 400, f"n must be between 1 and {MAX_N}, got 17", param="n"
+        )
     reply = ok(http.post(G, json={"text": "x", "sampling_params": {"n": MAX_N, "max_new_tokens": 1}}))
     assert len(reply) == MAX_N
-    refused(http.post(G, json={"text": "x", "sampling_params": {"n": MAX_N + 1, "max_new_tokens": 1}}), 400,
-            f"n must be between 1 and {MAX_N}")
+    refused(
+        http.post(G, json={"text": "x", "sampling_params": {"n": MAX_N + 1, "max_new_tokens": 1}}),
+        400,
+        f"n must be between 1 and {MAX_N}",
+    )
 
 
 def test_logprobs_at_the_limit(http):
-    reply = ok(http.post(CH, json={"messages": CHAT, "max_tokens": 2, "ignore_eos": True, "logprobs": True,
-                                   "top_logprobs": MAX_LOGPROBS}))
+    reply = ok(
+        http.post(
+            CH,
+            json={
+                "messages": CHAT,
+                "max_tokens": 2,
+                "ignore_eos": True,
+                "logprobs": True,
+                "top_logprobs": MAX_LOGPROBS,
+            },
+        )
+    )
     tokens = reply["choices"][0]["logprobs"]["content"]
     assert len(tokens) == 2 and all(len(t["top_logprobs"]) == MAX_LOGPROBS for t in tokens)
-    reply = ok(http.post(G, json={"text": "x", "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
-                                  "return_logprob": True, "top_logprobs_num": MAX_LOGPROBS}))
+    reply = ok(
+        http.post(
+            G,
+            json={
+                "text": "x",
+                "sampling_params": {"max_new_tokens": 2, "ignore_eos": True},
+                "return_logprob": True,
+                "top_logprobs_num": MAX_LOGPROBS,
+            },
+        )
+    )
     top = reply["meta_info"]["output_top_logprobs"]
     assert len(top) == 2 and all(len(t) == MAX_LOGPROBS for t in top)
     # /v1/completions: the top k and the sampled token (OpenAI's "up to logprobs + 1"), keyed by text (two tokens may
@@ -175,8 +240,9 @@ def test_logprobs_at_the_limit(http):
     assert len(logprobs["tokens"]) == reply["usage"]["prompt_tokens"] + 1
     assert all(0 < len(t) <= MAX_LOGPROBS + 1 for t in logprobs["top_logprobs"][1:])
     past = f"must be between 0 and {MAX_LOGPROBS}, got 21"
-    refused(http.post(CH, json={"messages": CHAT, "logprobs": True, "top_logprobs": 21}), 400, past,
-            param="top_logprobs")
+    refused(
+        http.post(CH, json={"messages": CHAT, "logprobs": True, "top_logprobs": 21}), 400, past, param="top_logprobs"
+    )
     refused(http.post(G, json={"text": "x", "return_logprob": True, "top_logprobs_num": 21}), 400, past)
     for echo in (False, True):
         refused(http.post(C, json={"prompt": "x", "logprobs": 21, "echo": echo}), 400, past, param="logprobs")
@@ -194,8 +260,11 @@ def padded(size: int) -> bytes:
 def test_body_size_at_the_limit(http):
     headers = {"content-type": "application/json"}
     ok(http.post(C, content=padded(MAX_BODY), headers=headers))
-    refused(http.post(C, content=padded(MAX_BODY + 1), headers=headers), 413,
-            f"{MAX_BODY + 1} bytes; the limit is {MAX_BODY} bytes (--max-request-bytes)")
+    refused(
+        http.post(C, content=padded(MAX_BODY + 1), headers=headers),
+        413,
+        f"{MAX_BODY + 1} bytes; the limit is {MAX_BODY} bytes (--max-request-bytes)",
+    )
     # Chunked (no Content-Length): counted as it arrives.
     for size, status in ((MAX_BODY, 200), (MAX_BODY + 1, 413)):
         body = padded(size)
@@ -275,83 +344,304 @@ def bias(n: int, value: float = 1.0) -> dict:
 # models' own checks name it, SamplingParams.validate's second line of checks names none), status at the limit)
 BOUNDS = [
     ("n lower", C, cmp(n=1), cmp(n=0), ["n must be between 1 and 16, got 0"], "n", 200),
-    ("max_tokens", C, cmp(max_tokens=1), cmp(max_tokens=0), ["max_tokens must be at least 1, got 0"], "max_tokens",
-     200),
-    ("max_completion_tokens", CH, chat(max_tokens=None, max_completion_tokens=1),
-     chat(max_tokens=None, max_completion_tokens=0), ["max_completion_tokens must be at least 1"],
-     "max_completion_tokens", 200),
-    ("max_new_tokens", G, gen(max_new_tokens=1), gen(max_new_tokens=0), ["max_new_tokens must be at least 1"],
-     "sampling_params", 200),
-    ("max_output_tokens", R, resp(max_output_tokens=1), resp(max_output_tokens=0),
-     ["max_output_tokens must be at least 1"], "-", 200),
+    (
+        "max_tokens",
+        C,
+        cmp(max_tokens=1),
+        cmp(max_tokens=0),
+        ["max_tokens must be at least 1, got 0"],
+        "max_tokens",
+        200,
+    ),
+    (
+        "max_completion_tokens",
+        CH,
+        chat(max_tokens=None, max_completion_tokens=1),
+        chat(max_tokens=None, max_completion_tokens=0),
+        ["max_completion_tokens must be at least 1"],
+        "max_completion_tokens",
+        200,
+    ),
+    (
+        "max_new_tokens",
+        G,
+        gen(max_new_tokens=1),
+        gen(max_new_tokens=0),
+        ["max_new_tokens must be at least 1"],
+        "sampling_params",
+        200,
+    ),
+    (
+        "max_output_tokens",
+        R,
+        resp(max_output_tokens=1),
+        resp(max_output_tokens=0),
+        ["max_output_tokens must be at least 1"],
+        "-",
+        200,
+    ),
     ("min_tokens lower", C, cmp(min_tokens=0), cmp(min_tokens=-1), ["min_tokens must be >= 0"], "min_tokens", 200),
-    ("min_tokens = max_tokens", C, cmp(max_tokens=2, min_tokens=2), cmp(max_tokens=2, min_tokens=3),
-     ["min_tokens (3) must not exceed max_tokens (2)"], "-", 200),
-    ("min_new_tokens = max_new_tokens", G, gen(max_new_tokens=2, min_new_tokens=2),
-     gen(max_new_tokens=2, min_new_tokens=3), ["min_new_tokens (3) must not exceed max_new_tokens (2)"],
-     "sampling_params", 200),
+    (
+        "min_tokens = max_tokens",
+        C,
+        cmp(max_tokens=2, min_tokens=2),
+        cmp(max_tokens=2, min_tokens=3),
+        ["min_tokens (3) must not exceed max_tokens (2)"],
+        "-",
+        200,
+    ),
+    (
+        "min_new_tokens = max_new_tokens",
+        G,
+        gen(max_new_tokens=2, min_new_tokens=2),
+        gen(max_new_tokens=2, min_new_tokens=3),
+        ["min_new_tokens (3) must not exceed max_new_tokens (2)"],
+        "sampling_params",
+        200,
+    ),
     ("logprobs lower", C, cmp(logprobs=0), cmp(logprobs=-1), ["between 0 and 20, got -1"], "logprobs", 200),
-    ("top_logprobs lower", CH, chat(logprobs=True, top_logprobs=0), chat(logprobs=True, top_logprobs=-1),
-     ["between 0 and 20, got -1"], "top_logprobs", 200),
-    ("stop strings", C, cmp(stop=[f"s{i}" for i in range(64)]), cmp(stop=[f"s{i}" for i in range(65)]),
-     ["stop may contain at most 64 strings, got 65"], "stop", 200),
-    ("cache_salt", C, cmp(cache_salt="s" * 256), cmp(cache_salt="s" * 257),
-     ["cache_salt may have at most 256 characters, got 257"], "cache_salt", 200),
-    ("cache_salt generate", G, gen({"cache_salt": "s" * 256}), gen({"cache_salt": "s" * 257}),
-     ["at most 256 characters"], "cache_salt", 200),
-    ("logit_bias entries", C, cmp(logit_bias=bias(1024)), cmp(logit_bias=bias(1025)),
-     ["logit_bias may have at most 1024 entries, got 1025"], "-", 200),
-    ("logit_bias max", CH, chat(logit_bias={"5": 100}), chat(logit_bias={"5": up(100.0)}),
-     ["logit_bias[5] must be in [-100, 100]"], "logit_bias", 200),
-    ("logit_bias min", C, cmp(logit_bias={"5": -100}), cmp(logit_bias={"5": down(-100.0)}),
-     ["logit_bias[5] must be in [-100, 100]"], "logit_bias", 200),
-    ("logit_bias token", C, cmp(logit_bias={str(VOCAB - 1): 1}), cmp(logit_bias={str(VOCAB): 1}),
-     [f"logit_bias names token {VOCAB}, outside the vocabulary [0, {VOCAB})"], "-", 200),
-    ("prompt token id", C, cmp(prompt=[VOCAB - 1]), cmp(prompt=[VOCAB]),
-     [f"prompt contains token id {VOCAB}, outside the vocabulary [0, {VOCAB})"], "prompt", 200),
-    ("prompt token id lower", C, cmp(prompt=[0]), cmp(prompt=[-1]), ["non-negative token ids, got -1"], "prompt",
-     200),
-    ("input_ids token id", G, {**gen(), "input_ids": [[5], [VOCAB - 1]]}, {**gen(), "input_ids": [[5], [VOCAB]]},
-     [f"input_ids contains token id {VOCAB}"], "input_ids", 200),
-    ("stop_token_ids", C, cmp(stop_token_ids=[VOCAB - 1]), cmp(stop_token_ids=[VOCAB]),
-     [f"stop_token_ids contains {VOCAB}, outside the vocabulary"], "-", 200),
-    ("priority max", C, cmp(priority=2**31 - 1), cmp(priority=2**31),
-     [f"priority must fit in a signed 32-bit integer, got {2**31}"], "priority", 200),
-    ("priority min", G, gen({"priority": -2**31}), gen({"priority": -2**31 - 1}), ["signed 32-bit integer"],
-     "priority", 200),
+    (
+        "top_logprobs lower",
+        CH,
+        chat(logprobs=True, top_logprobs=0),
+        chat(logprobs=True, top_logprobs=-1),
+        ["between 0 and 20, got -1"],
+        "top_logprobs",
+        200,
+    ),
+    (
+        "stop strings",
+        C,
+        cmp(stop=[f"s{i}" for i in range(64)]),
+        cmp(stop=[f"s{i}" for i in range(65)]),
+        ["stop may contain at most 64 strings, got 65"],
+        "stop",
+        200,
+    ),
+    (
+        "cache_salt",
+        C,
+        cmp(cache_salt="s" * 256),
+        cmp(cache_salt="s" * 257),
+        ["cache_salt may have at most 256 characters, got 257"],
+        "cache_salt",
+        200,
+    ),
+    (
+        "cache_salt generate",
+        G,
+        gen({"cache_salt": "s" * 256}),
+        gen({"cache_salt": "s" * 257}),
+        ["at most 256 characters"],
+        "cache_salt",
+        200,
+    ),
+    (
+        "logit_bias entries",
+        C,
+        cmp(logit_bias=bias(1024)),
+        cmp(logit_bias=bias(1025)),
+        ["logit_bias may have at most 1024 entries, got 1025"],
+        "-",
+        200,
+    ),
+    (
+        "logit_bias max",
+        CH,
+        chat(logit_bias={"5": 100}),
+        chat(logit_bias={"5": up(100.0)}),
+        ["logit_bias[5] must be in [-100, 100]"],
+        "logit_bias",
+        200,
+    ),
+    (
+        "logit_bias min",
+        C,
+        cmp(logit_bias={"5": -100}),
+        cmp(logit_bias={"5": down(-100.0)}),
+        ["logit_bias[5] must be in [-100, 100]"],
+        "logit_bias",
+        200,
+    ),
+    (
+        "logit_bias token",
+        C,
+        cmp(logit_bias={str(VOCAB - 1): 1}),
+        cmp(logit_bias={str(VOCAB): 1}),
+        [f"logit_bias names token {VOCAB}, outside the vocabulary [0, {VOCAB})"],
+        "-",
+        200,
+    ),
+    (
+        "prompt token id",
+        C,
+        cmp(prompt=[VOCAB - 1]),
+        cmp(prompt=[VOCAB]),
+        [f"prompt contains token id {VOCAB}, outside the vocabulary [0, {VOCAB})"],
+        "prompt",
+        200,
+    ),
+    ("prompt token id lower", C, cmp(prompt=[0]), cmp(prompt=[-1]), ["non-negative token ids, got -1"], "prompt", 200),
+    (
+        "input_ids token id",
+        G,
+        {**gen(), "input_ids": [[5], [VOCAB - 1]]},
+        {**gen(), "input_ids": [[5], [VOCAB]]},
+        [f"input_ids contains token id {VOCAB}"],
+        "input_ids",
+        200,
+    ),
+    (
+        "stop_token_ids",
+        C,
+        cmp(stop_token_ids=[VOCAB - 1]),
+        cmp(stop_token_ids=[VOCAB]),
+        [f"stop_token_ids contains {VOCAB}, outside the vocabulary"],
+        "-",
+        200,
+    ),
+    (
+        "priority max",
+        C,
+        cmp(priority=2**31 - 1),
+        cmp(priority=2**31),
+        [f"priority must fit in a signed 32-bit integer, got {2**31}"],
+        "priority",
+        200,
+    ),
+    (
+        "priority min",
+        G,
+        gen({"priority": -(2**31)}),
+        gen({"priority": -(2**31) - 1}),
+        ["signed 32-bit integer"],
+        "priority",
+        200,
+    ),
     # n > 1: choice j samples with seed + j, past the int64 range at the top
-    ("seed max", C, cmp(seed=2**63 - 1, n=MAX_N), cmp(seed=2**63), [f"signed 64-bit integer, got {2**63}"], "seed",
-     200),
-    ("seed min", CH, chat(seed=-2**63, n=2), chat(seed=-2**63 - 1), ["signed 64-bit integer"], "seed", 200),
-    ("temperature", C, cmp(temperature=0.0), cmp(temperature=down(0.0)), ["temperature must be a finite number >= 0"],
-     "temperature", 200),
+    (
+        "seed max",
+        C,
+        cmp(seed=2**63 - 1, n=MAX_N),
+        cmp(seed=2**63),
+        [f"signed 64-bit integer, got {2**63}"],
+        "seed",
+        200,
+    ),
+    ("seed min", CH, chat(seed=-(2**63), n=2), chat(seed=-(2**63) - 1), ["signed 64-bit integer"], "seed", 200),
+    (
+        "temperature",
+        C,
+        cmp(temperature=0.0),
+        cmp(temperature=down(0.0)),
+        ["temperature must be a finite number >= 0"],
+        "temperature",
+        200,
+    ),
     ("top_p max", C, cmp(top_p=1.0), cmp(top_p=up(1.0)), ["top_p must be in (0, 1]"], "top_p", 200),
     ("top_p min", G, gen(top_p=up(0.0)), gen(top_p=0.0), ["top_p must be in (0, 1]"], "sampling_params", 200),
-    ("top_k", C, cmp(top_k=-1), cmp(top_k=-2), ["top_k must be -1 or 0 (disabled) or a positive integer, got -2"],
-     "top_k", 200),
+    (
+        "top_k",
+        C,
+        cmp(top_k=-1),
+        cmp(top_k=-2),
+        ["top_k must be -1 or 0 (disabled) or a positive integer, got -2"],
+        "top_k",
+        200,
+    ),
     ("min_p max", C, cmp(min_p=1.0), cmp(min_p=up(1.0)), ["min_p must be in [0, 1]"], "min_p", 200),
     ("min_p min", CH, chat(min_p=0.0), chat(min_p=down(0.0)), ["min_p must be in [0, 1]"], "min_p", 200),
-    ("presence_penalty max", C, cmp(presence_penalty=2.0), cmp(presence_penalty=up(2.0)),
-     ["presence_penalty must be in [-2, 2]"], "presence_penalty", 200),
-    ("presence_penalty min", C, cmp(presence_penalty=-2.0), cmp(presence_penalty=down(-2.0)),
-     ["presence_penalty must be in [-2, 2]"], "presence_penalty", 200),
-    ("frequency_penalty max", CH, chat(frequency_penalty=2.0), chat(frequency_penalty=up(2.0)),
-     ["frequency_penalty must be in [-2, 2]"], "frequency_penalty", 200),
-    ("frequency_penalty min", G, gen(frequency_penalty=-2.0), gen(frequency_penalty=down(-2.0)),
-     ["frequency_penalty must be in [-2, 2]"], "sampling_params", 200),
-    ("repetition_penalty max", C, cmp(repetition_penalty=2.0), cmp(repetition_penalty=up(2.0)),
-     ["repetition_penalty must be in (0, 2]"], "repetition_penalty", 200),
-    ("repetition_penalty min", C, cmp(repetition_penalty=up(0.0)), cmp(repetition_penalty=0.0),
-     ["repetition_penalty must be in (0, 2]"], "repetition_penalty", 200),
-    ("metadata pairs", R, resp(metadata={f"k{i}": "v" for i in range(16)}),
-     resp(metadata={f"k{i}": "v" for i in range(17)}), ["metadata may hold 16 pairs"], "metadata", 200),
-    ("metadata key", R, resp(metadata={"k" * 64: "v"}), resp(metadata={"k" * 65: "v"}),
-     ["keys of at most 64"], "metadata", 200),
-    ("metadata value", R, resp(metadata={"k": "v" * 512}), resp(metadata={"k": "v" * 513}),
-     ["values of at most 512 characters"], "metadata", 200),
+    (
+        "presence_penalty max",
+        C,
+        cmp(presence_penalty=2.0),
+        cmp(presence_penalty=up(2.0)),
+        ["presence_penalty must be in [-2, 2]"],
+        "presence_penalty",
+        200,
+    ),
+    (
+        "presence_penalty min",
+        C,
+        cmp(presence_penalty=-2.0),
+        cmp(presence_penalty=down(-2.0)),
+        ["presence_penalty must be in [-2, 2]"],
+        "presence_penalty",
+        200,
+    ),
+    (
+        "frequency_penalty max",
+        CH,
+        chat(frequency_penalty=2.0),
+        chat(frequency_penalty=up(2.0)),
+        ["frequency_penalty must be in [-2, 2]"],
+        "frequency_penalty",
+        200,
+    ),
+    (
+        "frequency_penalty min",
+        G,
+        gen(frequency_penalty=-2.0),
+        gen(frequency_penalty=down(-2.0)),
+        ["frequency_penalty must be in [-2, 2]"],
+        "sampling_params",
+        200,
+    ),
+    (
+        "repetition_penalty max",
+        C,
+        cmp(repetition_penalty=2.0),
+        cmp(repetition_penalty=up(2.0)),
+        ["repetition_penalty must be in (0, 2]"],
+        "repetition_penalty",
+        200,
+    ),
+    (
+        "repetition_penalty min",
+        C,
+        cmp(repetition_penalty=up(0.0)),
+        cmp(repetition_penalty=0.0),
+        ["repetition_penalty must be in (0, 2]"],
+        "repetition_penalty",
+        200,
+    ),
+    (
+        "metadata pairs",
+        R,
+        resp(metadata={f"k{i}": "v" for i in range(16)}),
+        resp(metadata={f"k{i}": "v" for i in range(17)}),
+        ["metadata may hold 16 pairs"],
+        "metadata",
+        200,
+    ),
+    (
+        "metadata key",
+        R,
+        resp(metadata={"k" * 64: "v"}),
+        resp(metadata={"k" * 65: "v"}),
+        ["keys of at most 64"],
+        "metadata",
+        200,
+    ),
+    (
+        "metadata value",
+        R,
+        resp(metadata={"k": "v" * 512}),
+        resp(metadata={"k": "v" * 513}),
+        ["values of at most 512 characters"],
+        "metadata",
+        200,
+    ),
     # At the limit an id is looked up (none has that name: 404); one past, it is refused unread.
-    ("previous_response_id", R, resp(previous_response_id="r" * 256), resp(previous_response_id="r" * 257),
-     ["previous_response_id must have 1 to 256 characters"], "previous_response_id", 404),
+    (
+        "previous_response_id",
+        R,
+        resp(previous_response_id="r" * 256),
+        resp(previous_response_id="r" * 257),
+        ["previous_response_id must have 1 to 256 characters"],
+        "previous_response_id",
+        404,
+    ),
 ]
 
 

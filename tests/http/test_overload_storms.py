@@ -39,8 +39,15 @@ EXHAUSTION_MAX_TOKENS = 64
 
 @pytest.fixture(scope="module")
 def server():
-    with launched_server(tiny_model_dir("llama"), "--max-total-tokens", str(POOL_TOKENS),
-                         "--init-new-token-ratio", RESERVE_RATIO, "--min-new-token-ratio", RESERVE_RATIO) as server:
+    with launched_server(
+        tiny_model_dir("llama"),
+        "--max-total-tokens",
+        str(POOL_TOKENS),
+        "--init-new-token-ratio",
+        RESERVE_RATIO,
+        "--min-new-token-ratio",
+        RESERVE_RATIO,
+    ) as server:
         yield server
 
 
@@ -72,8 +79,11 @@ def assert_idle_kv_invariant(info: dict) -> None:
 
 
 def assert_new_request_completes(server) -> None:
-    response = httpx.post(f"{server.url}/v1/completions", timeout=60,
-                          json={"prompt": "after the storm", "max_tokens": 8, "ignore_eos": True, "temperature": 0})
+    response = httpx.post(
+        f"{server.url}/v1/completions",
+        timeout=60,
+        json={"prompt": "after the storm", "max_tokens": 8, "ignore_eos": True, "temperature": 0},
+    )
     assert response.status_code == 200, response.text
     assert response.json()["usage"]["completion_tokens"] == 8
 
@@ -83,8 +93,14 @@ def test_disconnect_storm(server):
     outcomes: dict[str, int] = {}
 
     async def client(http: httpx.AsyncClient, i: int, leave_after_chunks: int) -> None:
-        body = {"prompt": f"Client {i} of the storm writes a story:", "max_tokens": DISCONNECT_MAX_TOKENS,
-                "ignore_eos": True, "stream": True, "temperature": 0.8, "seed": i}
+        body = {
+            "prompt": f"Client {i} of the storm writes a story:",
+            "max_tokens": DISCONNECT_MAX_TOKENS,
+            "ignore_eos": True,
+            "stream": True,
+            "temperature": 0.8,
+            "seed": i,
+        }
         async with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200, await response.aread()
             chunks = 0
@@ -114,9 +130,14 @@ def test_disconnect_storm(server):
     async def storm() -> tuple[float, int]:
         limits = httpx.Limits(max_connections=DISCONNECT_CLIENTS + 10)
         async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=120) as http:
-            tasks = [asyncio.create_task(impatient(http, i, rng.uniform(*LEAVE_AFTER_S)) if i % 4 == 0
-                                         else client(http, i, rng.randint(*LEAVE_AFTER_CHUNKS)))
-                     for i in range(DISCONNECT_CLIENTS)]
+            tasks = [
+                asyncio.create_task(
+                    impatient(http, i, rng.uniform(*LEAVE_AFTER_S))
+                    if i % 4 == 0
+                    else client(http, i, rng.randint(*LEAVE_AFTER_CHUNKS))
+                )
+                for i in range(DISCONNECT_CLIENTS)
+            ]
             peak = 0  # most requests the scheduler held at once
             while not all(t.done() for t in tasks):
                 info = await asyncio.to_thread(server_info, server)
@@ -139,8 +160,12 @@ def test_kv_exhaustion_storm(server):
     async def one(http: httpx.AsyncClient, i: int) -> dict:
         # Distinct from the first token on, so the radix cache cannot share them.
         words = " ".join(f"{100000 + i * 7919 + j}" for j in range(40))
-        body = {"prompt": f"{i} {words}; an essay on these numbers:",
-                "max_tokens": EXHAUSTION_MAX_TOKENS, "ignore_eos": True, "temperature": 0}
+        body = {
+            "prompt": f"{i} {words}; an essay on these numbers:",
+            "max_tokens": EXHAUSTION_MAX_TOKENS,
+            "ignore_eos": True,
+            "temperature": 0,
+        }
         response = await http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         return response.json()
@@ -151,8 +176,7 @@ def test_kv_exhaustion_storm(server):
 
     replies = asyncio.run(storm())
     done_at = time.monotonic()
-    assert all(r["usage"]["completion_tokens"] == EXHAUSTION_MAX_TOKENS for r in replies), \
-        [r["usage"] for r in replies]
+    assert all(r["usage"]["completion_tokens"] == EXHAUSTION_MAX_TOKENS for r in replies), [r["usage"] for r in replies]
     assert all(r["choices"][0]["finish_reason"] == "length" for r in replies)
     total = sum(r["usage"]["total_tokens"] for r in replies)
     assert total > 1.5 * POOL_TOKENS, total  # the storm is real: the pool cannot hold them all

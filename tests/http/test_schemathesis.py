@@ -28,15 +28,33 @@ pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
 MODEL = "tiny-test"
 MAX_GENERATED = 2
 # Examples per operation (hypothesis stops earlier on a route with nothing to vary, like GET /health).
-BUDGET = {"POST /v1/completions": 260, "POST /v1/chat/completions": 260, "POST /generate": 260,
-          "GET /v1/models/{model}": 250, "GET /v1/models": 5, "GET /health": 5, "GET /server_info": 5,
-          "GET /metrics": 5, "POST /flush_cache": 5,
-          "POST /v1/tokenize": 40, "POST /v1/detokenize": 40, "POST /tokenize": 10, "POST /detokenize": 10,
-          "POST /v1/responses": 200, "GET /v1/responses/{response_id}": 25, "DELETE /v1/responses/{response_id}": 25}
+BUDGET = {
+    "POST /v1/completions": 260,
+    "POST /v1/chat/completions": 260,
+    "POST /generate": 260,
+    "GET /v1/models/{model}": 250,
+    "GET /v1/models": 5,
+    "GET /health": 5,
+    "GET /server_info": 5,
+    "GET /metrics": 5,
+    "POST /flush_cache": 5,
+    "POST /v1/tokenize": 40,
+    "POST /v1/detokenize": 40,
+    "POST /tokenize": 10,
+    "POST /detokenize": 10,
+    "POST /v1/responses": 200,
+    "GET /v1/responses/{response_id}": 25,
+    "DELETE /v1/responses/{response_id}": 25,
+}
 MIN_CASES = 1000
 CLIENTS = 32
-CHECKS = [sc.not_a_server_error, sc.status_code_conformance, sc.content_type_conformance,
-          sc.response_headers_conformance, sc.response_schema_conformance]
+CHECKS = [
+    sc.not_a_server_error,
+    sc.status_code_conformance,
+    sc.content_type_conformance,
+    sc.response_headers_conformance,
+    sc.response_schema_conformance,
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +71,7 @@ def bounded_length(schema: dict) -> None:
 def integral_floats_as_ints(value):
     """JSON Schema lets 2.0 be an "integer"; the server's strict types refuse it (a documented 400, covered in
     test_bad_inputs.py). Sent as 2, such a case tests something instead."""
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2 ** 53:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
         return int(value)
     if isinstance(value, list):
         return [integral_floats_as_ints(v) for v in value]
@@ -64,10 +82,12 @@ def integral_floats_as_ints(value):
 
 def narrow(raw: dict) -> dict:
     schemas = raw["components"]["schemas"]
-    for name, lengths in (("CompletionRequest", ["max_tokens"]),
-                          ("ChatCompletionRequest", ["max_tokens", "max_completion_tokens"]),
-                          ("NativeSamplingParams", ["max_new_tokens"]),
-                          ("ResponsesRequest", ["max_output_tokens"])):
+    for name, lengths in (
+        ("CompletionRequest", ["max_tokens"]),
+        ("ChatCompletionRequest", ["max_tokens", "max_completion_tokens"]),
+        ("NativeSamplingParams", ["max_new_tokens"]),
+        ("ResponsesRequest", ["max_output_tokens"]),
+    ):
         model = schemas[name]
         for field in lengths:
             bounded_length(model["properties"][field])
@@ -96,8 +116,14 @@ def test_openapi_covers_every_route(server):
 def draw_cases(operation, examples: int) -> list:
     cases = []
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-              phases=[Phase.explicit, Phase.generate], suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(case=operation.as_strategy())
     def draw(case):
         if isinstance(case.body, dict):

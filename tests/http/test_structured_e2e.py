@@ -92,15 +92,18 @@ def random_schema(rng: random.Random, depth: int = 0) -> dict:
     if kind == "boolean":
         return {"type": "boolean"}
     if kind == "enum":
-        return {"enum": rng.sample(["red", "green", "blue", "a b", "x\"y", "ünï"], rng.randint(1, 4))}
+        return {"enum": rng.sample(["red", "green", "blue", "a b", 'x"y', "ünï"], rng.randint(1, 4))}
     if kind == "array":
         low = rng.randint(0, 2)
-        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": low,
-                "maxItems": low + rng.randint(0, 3)}
+        return {
+            "type": "array",
+            "items": random_schema(rng, depth + 1),
+            "minItems": low,
+            "maxItems": low + rng.randint(0, 3),
+        }
     names = rng.sample(["id", "name", "size", "tags", "owner", "kind", "when", "ok"], rng.randint(1, 4))
     properties = {name: random_schema(rng, depth + 1) for name in names}
-    return {"type": "object", "properties": properties,
-            "required": [n for n in names if rng.random() < 0.7]}
+    return {"type": "object", "properties": properties, "required": [n for n in names if rng.random() < 0.7]}
 
 
 def random_object_schema(rng: random.Random) -> dict:
@@ -127,18 +130,30 @@ def test_fifty_random_schemas_at_temperature_one_all_validate(client, model):
 
 
 def test_json_object_mode_and_the_completions_route(client, model):
-    reply = client.completions.create(model=model, prompt="{", temperature=0.7, seed=1, max_tokens=MAX_TOKENS,
-                                      extra_body={"regex": r"\{\"n\": [0-9]{1,3}\}"})
+    reply = client.completions.create(
+        model=model,
+        prompt="{",
+        temperature=0.7,
+        seed=1,
+        max_tokens=MAX_TOKENS,
+        extra_body={"regex": r"\{\"n\": [0-9]{1,3}\}"},
+    )
     assert re.fullmatch(r"\{\"n\": [0-9]{1,3}\}", reply.choices[0].text)
     schema = {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}
-    reply = client.completions.create(model=model, prompt="x", temperature=1.0, seed=2, max_tokens=MAX_TOKENS,
-                                      extra_body={"response_format": {"type": "json_schema",
-                                                                      "json_schema": {"name": "a", "schema": schema}}})
+    reply = client.completions.create(
+        model=model,
+        prompt="x",
+        temperature=1.0,
+        seed=2,
+        max_tokens=MAX_TOKENS,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}},
+    )
     jsonschema.validate(json.loads(reply.choices[0].text), schema)
 
 
-@pytest.mark.parametrize("pattern", [r"(yes|no|maybe)", r"[A-Z][a-z]{2,8} [0-9]{4}", r"\d{3}-\d{2}-[a-f]{4}",
-                                     r"(ab|cd){1,6}!"])
+@pytest.mark.parametrize(
+    "pattern", [r"(yes|no|maybe)", r"[A-Z][a-z]{2,8} [0-9]{4}", r"\d{3}-\d{2}-[a-f]{4}", r"(ab|cd){1,6}!"]
+)
 def test_regex_replies_fullmatch(client, model, pattern):
     replies = chat(client, model, temperature=1.0, seed=5, n=3, max_tokens=64, extra_body={"regex": pattern})
     for choice in replies.choices:
@@ -151,17 +166,30 @@ def test_ebnf_reply_fullmatches(client, model):
     assert re.fullmatch(r"\([0-9](\+[0-9])*\)", reply.choices[0].message.content)
 
 
-@pytest.mark.parametrize("body, words", [
-    ({"extra_body": {"regex": "([a-z"}}, "invalid regex"),
-    ({"extra_body": {"ebnf": "root ::= undefined_rule"}}, "undefined_rule"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{not json"}}},
-     "not valid JSON"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}}, "frob"),
-    ({"logit_bias": {"99999999": 5}}, "outside the vocabulary"),
-    ({"logit_bias": {"5": 500}}, "[-100, 100]"),
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}},
-      "tools": [{"type": "function", "function": {"name": "f"}}]}, "nope"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        ({"extra_body": {"regex": "([a-z"}}, "invalid regex"),
+        ({"extra_body": {"ebnf": "root ::= undefined_rule"}}, "undefined_rule"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{not json"}}},
+            "not valid JSON",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frob"}}}},
+            "frob",
+        ),
+        ({"logit_bias": {"99999999": 5}}, "outside the vocabulary"),
+        ({"logit_bias": {"5": 500}}, "[-100, 100]"),
+        (
+            {
+                "tool_choice": {"type": "function", "function": {"name": "nope"}},
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            },
+            "nope",
+        ),
+    ],
+)
 def test_bad_grammar_is_a_400_and_the_next_request_succeeds(client, model, body, words):
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, model, max_tokens=4, **body)
@@ -171,9 +199,16 @@ def test_bad_grammar_is_a_400_and_the_next_request_succeeds(client, model, body,
 
 def test_logit_bias_forces_and_bans_tokens(server, client, model):
     tokenizer = _tokenizer()
-    forced = client.completions.create(model=model, prompt="Hello", temperature=0, max_tokens=5,
-                                       logit_bias={"1000": 100}, extra_body={"ignore_eos": True})
+    forced = client.completions.create(
+        model=model,
+        prompt="Hello",
+        temperature=0,
+        max_tokens=5,
+        logit_bias={"1000": 100},
+        extra_body={"ignore_eos": True},
+    )
     assert forced.choices[0].text == tokenizer.decode([1000] * 5)
+
     # The native route takes logit_bias too, and shows token ids.
     def first_token(**sampling):
         body = {"text": "Hello", "sampling_params": {"temperature": 0, "max_new_tokens": 1, **sampling}}
@@ -194,16 +229,26 @@ def test_unconstrained_requests_get_the_same_greedy_tokens_beside_constrained_on
     prompts = [f"Count to {i}:" for i in range(4)]
 
     def plain(prompt):
-        return client.completions.create(model=model, prompt=prompt, temperature=0, max_tokens=24,
-                                         extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            client.completions.create(
+                model=model, prompt=prompt, temperature=0, max_tokens=24, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     alone = [plain(p) for p in prompts]
-    schema = {"type": "object", "properties": {"v": {"type": "array", "items": {"type": "integer"}, "maxItems": 30}},
-              "required": ["v"]}
+    schema = {
+        "type": "object",
+        "properties": {"v": {"type": "array", "items": {"type": "integer"}, "maxItems": 30}},
+        "required": ["v"],
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "v", "schema": schema}}
     with ThreadPoolExecutor(8) as pool:
-        constrained = [pool.submit(chat, client, model, response_format=fmt, temperature=1.0, seed=i,
-                                   max_tokens=MAX_TOKENS, n=2) for i in range(4)]
+        constrained = [
+            pool.submit(chat, client, model, response_format=fmt, temperature=1.0, seed=i, max_tokens=MAX_TOKENS, n=2)
+            for i in range(4)
+        ]
         beside = list(pool.map(plain, prompts))
         for future in constrained:
             for choice in future.result().choices:
@@ -213,15 +258,29 @@ def test_unconstrained_requests_get_the_same_greedy_tokens_beside_constrained_on
 
 # ------------------------------------------------------------------------------------------ tool calls
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Get the current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city"]}}}
-CLOCK = {"type": "function", "function": {
-    "name": "get_time", "parameters": {"type": "object", "properties": {"hours": {"type": "integer", "minimum": 0,
-                                                                                  "maximum": 23}},
-                                       "required": ["hours"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"hours": {"type": "integer", "minimum": 0, "maximum": 23}},
+            "required": ["hours"],
+        },
+    },
+}
 TOOLS = [WEATHER, CLOCK]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
@@ -242,8 +301,17 @@ def streamed_calls(stream):
 @pytest.mark.parametrize("parallel", [True, False])
 def test_tool_choice_required_always_parses(client, model, parallel):
     def ask(seed):
-        return chat(client, model, "What time is it, and the weather in Oslo?", tools=TOOLS, tool_choice="required",
-                    parallel_tool_calls=parallel, temperature=1.0, seed=seed, max_tokens=MAX_TOKENS).choices[0]
+        return chat(
+            client,
+            model,
+            "What time is it, and the weather in Oslo?",
+            tools=TOOLS,
+            tool_choice="required",
+            parallel_tool_calls=parallel,
+            temperature=1.0,
+            seed=seed,
+            max_tokens=MAX_TOKENS,
+        ).choices[0]
 
     with ThreadPoolExecutor(4) as pool:
         choices = list(pool.map(ask, range(4)))
@@ -261,8 +329,9 @@ def test_named_tool_choice_and_streamed_deltas_equal_the_whole_call(client, mode
         whole = chat(client, model, "Weather in Paris?", **kw).choices[0]
         calls, finish = streamed_calls(chat(client, model, "Weather in Paris?", stream=True, **kw))
         assert finish == whole.finish_reason == "tool_calls"
-        assert [(c["name"], c["arguments"]) for c in calls] == \
-            [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            (c.function.name, c.function.arguments) for c in whole.message.tool_calls
+        ]
         assert all(c["id"].startswith("call_") for c in calls)
     assert whole.message.tool_calls[0].function.name == "get_weather"
 
@@ -270,33 +339,49 @@ def test_named_tool_choice_and_streamed_deltas_equal_the_whole_call(client, mode
 def test_tool_history_is_accepted_and_tool_choice_none_gives_content(client, model):
     history = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"celsius": 21}'},
     ]
-    reply = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
-                                           temperature=0, max_tokens=8)
+    reply = client.chat.completions.create(
+        model=model, messages=history, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=8
+    )
     assert reply.choices[0].message.tool_calls is None and reply.choices[0].finish_reason in ("stop", "length")
 
 
 def test_smollm2_calls_get_weather():
     """The demo model with tool_choice auto. SmolLM2-135M is small: if it answers in prose instead of calling, the
     test says so and checks that tool_choice required gets a valid call from it."""
-    with launched_server(smollm2_dir()) as server, \
-            openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0, timeout=600) as client:
+    with (
+        launched_server(smollm2_dir()) as server,
+        openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0, timeout=600) as client,
+    ):
         model = client.models.list().data[0].id
         client.completions.create(model=model, prompt="Hi", max_tokens=1)  # warm-up: the first step is the slowest
         question = [{"role": "user", "content": "What is the weather in Paris?"}]
-        auto = client.chat.completions.create(model=model, messages=question, tools=[WEATHER], temperature=0,
-                                              max_tokens=40).choices[0]
+        auto = client.chat.completions.create(
+            model=model, messages=question, tools=[WEATHER], temperature=0, max_tokens=40
+        ).choices[0]
         if auto.message.tool_calls:
             call = auto.message.tool_calls[0]
             assert auto.finish_reason == "tool_calls"
         else:
-            print(f"SmolLM2 did not call get_weather with tool_choice auto; it said {auto.message.content!r}. "
-                  f"Checking tool_choice required instead.")
-            forced = client.chat.completions.create(model=model, messages=question, tools=[WEATHER], temperature=0,
-                                                    tool_choice="required", max_tokens=60).choices[0]
+            print(
+                f"SmolLM2 did not call get_weather with tool_choice auto; it said {auto.message.content!r}. "
+                f"Checking tool_choice required instead."
+            )
+            forced = client.chat.completions.create(
+                model=model, messages=question, tools=[WEATHER], temperature=0, tool_choice="required", max_tokens=60
+            ).choices[0]
             call = forced.message.tool_calls[0]
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])

@@ -23,13 +23,23 @@ pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
 
 MODEL_DIR = tiny_model_dir("qwen3")
 CITIES = ["Paris", "Oslo", "Lima"]
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                            "parameters": {"type": "object",
-                                                           "properties": {"city": {"type": "string", "enum": CITIES}},
-                                                           "required": ["city"]}}}
-SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "enum": CITIES},
-                                           "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
-          "required": ["city", "rank"]}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": CITIES}},
+            "required": ["city"],
+        },
+    },
+}
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "enum": CITIES}, "rank": {"type": "integer", "minimum": 1, "maximum": 9}},
+    "required": ["city", "rank"],
+}
 RESPONSE_FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": SCHEMA}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -86,18 +96,25 @@ def test_tokenized_messages_count_what_the_chat_route_counts(http, tools):
     assert open_counted["count"] == open_reply["usage"]["prompt_tokens"] < closed["count"]
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/tokenize", {"prompt": "a", "messages": ASK}, None),
-    ("/v1/tokenize", {}, None),
-    ("/v1/tokenize", {"prompt": 5}, "prompt"),
-    ("/v1/tokenize", {"messages": [{"role": "user"}]}, "messages"),
-    ("/v1/tokenize", {"messages": ASK, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}}, "chat_template_kwargs"),
-    ("/v1/tokenize", {"messages": ASK, "continue_final_message": True}, "continue_final_message"),
-    ("/v1/detokenize", {"tokens": [1, -2]}, "tokens"),
-    ("/v1/detokenize", {"tokens": [10**9]}, "tokens"),
-    ("/v1/detokenize", {"tokens": "12"}, "tokens"),
-    ("/v1/detokenize", {}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/tokenize", {"prompt": "a", "messages": ASK}, None),
+        ("/v1/tokenize", {}, None),
+        ("/v1/tokenize", {"prompt": 5}, "prompt"),
+        ("/v1/tokenize", {"messages": [{"role": "user"}]}, "messages"),
+        (
+            "/v1/tokenize",
+            {"messages": ASK, "chat_template_kwargs": {"chat_template": "{{ 1 }}"}},
+            "chat_template_kwargs",
+        ),
+        ("/v1/tokenize", {"messages": ASK, "continue_final_message": True}, "continue_final_message"),
+        ("/v1/detokenize", {"tokens": [1, -2]}, "tokens"),
+        ("/v1/detokenize", {"tokens": [10**9]}, "tokens"),
+        ("/v1/detokenize", {"tokens": "12"}, "tokens"),
+        ("/v1/detokenize", {}, "tokens"),
+    ],
+)
 def test_bad_tokenize_bodies_are_openai_400s(http, path, body, param):
     response = http.post(path, json=body)
     assert response.status_code == 400, response.text
@@ -118,10 +135,11 @@ def test_unknown_model_is_a_404(http):
 
 def test_priority_is_accepted_on_every_route_with_the_flag(http):
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "priority": 5}).status_code == 200
-    assert http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "priority": -3}).status_code \
+    assert http.post("/v1/chat/completions", json={"messages": ASK, "max_tokens": 2, "priority": -3}).status_code == 200
+    assert (
+        http.post("/generate", json={"text": "hi", "priority": 9, "sampling_params": {"max_new_tokens": 2}}).status_code
         == 200
-    assert http.post("/generate", json={"text": "hi", "priority": 9,
-                                        "sampling_params": {"max_new_tokens": 2}}).status_code == 200
+    )
     too_big = http.post("/v1/completions", json={"prompt": "hi", "priority": 2**40})
     assert too_big.status_code == 400 and too_big.json()["error"]["param"] == "priority"
 
@@ -147,8 +165,9 @@ def test_client_response_format_and_tool_calls(server):
         named = {"type": "function", "function": {"name": "get_weather"}}
         check_weather_call(client.chat(ASK, tools=[WEATHER], tool_choice=named, max_tokens=60).tool_calls)
 
-        chunks = list(client.chat(ASK, stream=True, tools=[WEATHER], tool_choice="required", max_tokens=60,
-                                  temperature=0))
+        chunks = list(
+            client.chat(ASK, stream=True, tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0)
+        )
         streamed = tool_calls_from_deltas(d for c in chunks for d in c.tool_call_deltas)
         assert [(c.name, c.arguments) for c in streamed] == [(c.name, c.arguments) for c in reply.tool_calls]
         assert any(c.finish_reason == "tool_calls" for c in chunks)
@@ -162,8 +181,9 @@ def test_async_client_response_format_and_tool_calls(server):
             jsonschema.validate(json.loads(reply.text), SCHEMA)
             reply = await client.chat(ASK, tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0)
             check_weather_call(reply.tool_calls)
-            stream = await client.chat(ASK, stream=True, tools=[WEATHER], tool_choice="required", max_tokens=60,
-                                       temperature=0)
+            stream = await client.chat(
+                ASK, stream=True, tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0
+            )
             deltas = [d async for c in stream for d in c.tool_call_deltas]
             assert [c.arguments for c in tool_calls_from_deltas(deltas)] == [c.arguments for c in reply.tool_calls]
 
@@ -171,11 +191,18 @@ def test_async_client_response_format_and_tool_calls(server):
 
 
 def test_client_tool_call_matches_the_openai_package(server):
-    with openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0, timeout=300) as official, \
-            Client(server.url) as client:
+    with (
+        openai.OpenAI(base_url=server.openai_base_url, api_key="unused", max_retries=0, timeout=300) as official,
+        Client(server.url) as client,
+    ):
         model = official.models.list().data[0].id
-        theirs = official.chat.completions.create(model=model, messages=ASK, tools=[WEATHER], tool_choice="required",
-                                                  max_tokens=60, temperature=0).choices[0].message.tool_calls[0]
+        theirs = (
+            official.chat.completions.create(
+                model=model, messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0
+            )
+            .choices[0]
+            .message.tool_calls[0]
+        )
         ours = client.chat(ASK, tools=[WEATHER], tool_choice="required", max_tokens=60, temperature=0).tool_calls[0]
         assert (ours.name, ours.arguments_json) == (theirs.function.name, theirs.function.arguments)
         assert ours.id is not None and ours.id.startswith("call")

@@ -27,9 +27,15 @@ BIG_MAX_NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def server():
-    with launched_server(tiny_model_dir("llama"), "--max-total-tokens", str(POOL_TOKENS),
-                         "--max-queued-requests", str(MAX_QUEUED),
-                         "--max-sequences-per-request", str(MAX_PER_REQUEST)) as server:
+    with launched_server(
+        tiny_model_dir("llama"),
+        "--max-total-tokens",
+        str(POOL_TOKENS),
+        "--max-queued-requests",
+        str(MAX_QUEUED),
+        "--max-sequences-per-request",
+        str(MAX_PER_REQUEST),
+    ) as server:
         yield server
 
 
@@ -55,14 +61,18 @@ def assert_server_fine(http: httpx.Client) -> None:
 
 # ------------------------------------------------------------------------------------ over the KV pool
 
+
 def test_prompt_plus_max_tokens_over_the_pool_is_400_before_any_token(http):
     # 10 + 2000 tokens fit the 4096-token context but never the 1024-slot pool.
     body = {"prompt": [100 + i for i in range(10)], "max_tokens": 2000}
     assert_error(http.post("/v1/completions", json=body), 400, "KV cache", str(POOL_TOKENS))
     # Streaming too: a 400, not a 200 stream with an error event inside.
     assert_error(http.post("/v1/completions", json={**body, "stream": True}), 400, "KV cache")
-    assert_error(http.post("/generate", json={"input_ids": body["prompt"],
-                                              "sampling_params": {"max_new_tokens": 2000}}), 400, "KV cache")
+    assert_error(
+        http.post("/generate", json={"input_ids": body["prompt"], "sampling_params": {"max_new_tokens": 2000}}),
+        400,
+        "KV cache",
+    )
     assert_server_fine(http)
 
 
@@ -75,8 +85,9 @@ def test_absent_max_tokens_counts_as_the_rest_of_the_context(http):
 
 def test_request_that_fits_the_pool_exactly_runs(http):
     prompt = [100 + i for i in range(POOL_TOKENS - 16)]  # mostly prompt: one prefill, few decode steps
-    response = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": POOL_TOKENS - len(prompt),
-                                                  "temperature": 0})
+    response = http.post(
+        "/v1/completions", json={"prompt": prompt, "max_tokens": POOL_TOKENS - len(prompt), "temperature": 0}
+    )
     assert response.status_code == 200, response.text
 
 
@@ -88,6 +99,7 @@ def test_check_kv_pool_rule():
 
 
 # ------------------------------------------------------------------------------ sequences per request
+
 
 def test_more_sequences_than_the_queue_can_ever_hold_is_400(http):
     prompts = [[100 + i, 200] for i in range(MAX_QUEUED + 10)]
@@ -101,8 +113,9 @@ def test_more_sequences_than_the_per_request_cap_is_400(http):
     response = http.post("/generate", json={"input_ids": prompts, "sampling_params": {"max_new_tokens": 2}})
     assert_error(response, 400, "--max-sequences-per-request", str(MAX_PER_REQUEST))
     # Sequences are prompts x n: 26 prompts with n=16 are 416, over the cap though neither factor is.
-    response = http.post("/v1/completions", json={"prompt": [[100 + i, 200] for i in range(26)], "n": 16,
-                                                  "max_tokens": 2})
+    response = http.post(
+        "/v1/completions", json={"prompt": [[100 + i, 200] for i in range(26)], "n": 16, "max_tokens": 2}
+    )
     assert_error(response, 400, "--max-sequences-per-request", "26 prompts x n=16")
     assert_server_fine(http)
 
@@ -114,6 +127,7 @@ def test_per_request_cap_defaults_to_openais_n_limit():
 
 
 # ---------------------------------------------------------------------------------------- fairness
+
 
 class _Rid:
     def __init__(self, rid: str):
@@ -137,8 +151,11 @@ def test_normal_request_is_not_held_behind_a_huge_batch(http, server):
     def big_batch():
         started = time.monotonic()
         prompts = [[100 + i % 500, 7, 8, 9] for i in range(BIG_BATCH)]
-        response = httpx.post(f"{server.url}/generate", timeout=600, json={
-            "input_ids": prompts, "sampling_params": {"max_new_tokens": BIG_MAX_NEW_TOKENS, "ignore_eos": True}})
+        response = httpx.post(
+            f"{server.url}/generate",
+            timeout=600,
+            json={"input_ids": prompts, "sampling_params": {"max_new_tokens": BIG_MAX_NEW_TOKENS, "ignore_eos": True}},
+        )
         assert response.status_code == 200, response.text
         big_done["seconds"] = time.monotonic() - started
 

@@ -40,20 +40,24 @@ def assert_idle_and_clean(engine):
 
 def one_at_a_time(model_dir, **kw) -> InProcessEngine:
     """One running request, the whole prompt in one step, 140 KV slots: HOT (100) and MISS (70) do not fit together."""
-    engine = InProcessEngine(model_dir, device="cpu", max_total_tokens=140, max_running_requests=1,
-                             chunked_prefill_size=-1, **kw)
+    engine = InProcessEngine(
+        model_dir, device="cpu", max_total_tokens=140, max_running_requests=1, chunked_prefill_size=-1, **kw
+    )
     engine.generate(HOT, greedy(1))  # leaves exactly HOT in the tree
     return engine
 
 
-@pytest.mark.parametrize("policy, max_wait_steps, expected", [
-    # Longest prefix first: the hits run before the miss that arrived ahead of them, each hits all of HOT.
-    ("lpm", 1000, [100, 100, 100, 100, 100]),
-    # Arrival order: the miss runs first and evicts HOT; the first hit recomputes it, the others reuse it.
-    ("fcfs", 1000, [0, 100, 100, 100, 100]),
-    # LPM with aging: one hit (4 steps) later the miss has waited > 3 steps and goes next, evicting HOT again.
-    ("lpm", 3, [100, 0, 100, 100, 100]),
-])
+@pytest.mark.parametrize(
+    "policy, max_wait_steps, expected",
+    [
+        # Longest prefix first: the hits run before the miss that arrived ahead of them, each hits all of HOT.
+        ("lpm", 1000, [100, 100, 100, 100, 100]),
+        # Arrival order: the miss runs first and evicts HOT; the first hit recomputes it, the others reuse it.
+        ("fcfs", 1000, [0, 100, 100, 100, 100]),
+        # LPM with aging: one hit (4 steps) later the miss has waited > 3 steps and goes next, evicting HOT again.
+        ("lpm", 3, [100, 0, 100, 100, 100]),
+    ],
+)
 def test_admission_order_shows_in_cached_tokens(model_dir, policy, max_wait_steps, expected):
     engine = one_at_a_time(model_dir, schedule_policy=policy, max_wait_steps=max_wait_steps)
     results = engine.generate([MISS] + [HOT + [i] for i in range(1, 6)], greedy(4))
@@ -64,8 +68,14 @@ def test_admission_order_shows_in_cached_tokens(model_dir, policy, max_wait_step
 
 
 def run_with_ratio(model_dir, ratio: float, params, prompts=PROMPTS, max_total_tokens=200):
-    engine = InProcessEngine(model_dir, device="cpu", max_total_tokens=max_total_tokens, chunked_prefill_size=64,
-                             init_new_token_ratio=ratio, min_new_token_ratio=ratio)
+    engine = InProcessEngine(
+        model_dir,
+        device="cpu",
+        max_total_tokens=max_total_tokens,
+        chunked_prefill_size=64,
+        init_new_token_ratio=ratio,
+        min_new_token_ratio=ratio,
+    )
     results = engine.generate(prompts, params)
     assert all(r.finish_reason == "length" for r in results), [r.error for r in results]
     assert_idle_and_clean(engine)
@@ -97,10 +107,19 @@ def test_seeded_sampling_and_penalties_survive_retraction(model_dir):
     # penalties keep counting the tokens generated before the retraction. The penalties here are negative (a
     # repetition penalty below 1): they make already generated tokens likely again, so sampling depends on them.
     prompts = PROMPTS[:6]
-    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=100 + i, max_new_tokens=16, ignore_eos=True,
-                             frequency_penalty=-1.5 if i % 3 == 1 else 0.0,
-                             presence_penalty=-1.0 if i % 3 == 1 else 0.0,
-                             repetition_penalty=0.5 if i % 3 == 2 else 1.0) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            top_p=0.9,
+            seed=100 + i,
+            max_new_tokens=16,
+            ignore_eos=True,
+            frequency_penalty=-1.5 if i % 3 == 1 else 0.0,
+            presence_penalty=-1.0 if i % 3 == 1 else 0.0,
+            repetition_penalty=0.5 if i % 3 == 2 else 1.0,
+        )
+        for i in range(len(prompts))
+    ]
     calm, calm_retractions = run_with_ratio(model_dir, 0.7, params, prompts, max_total_tokens=8192)
     squeezed, retractions = run_with_ratio(model_dir, 0.0, params, prompts, max_total_tokens=120)
     assert calm_retractions == 0 and retractions > 0
@@ -108,8 +127,14 @@ def test_seeded_sampling_and_penalties_survive_retraction(model_dir):
 
 
 def test_abort_of_a_retracted_request_frees_everything(model_dir):
-    engine = InProcessEngine(model_dir, device="cpu", max_total_tokens=200, chunked_prefill_size=64,
-                             init_new_token_ratio=0.0, min_new_token_ratio=0.0)
+    engine = InProcessEngine(
+        model_dir,
+        device="cpu",
+        max_total_tokens=200,
+        chunked_prefill_size=64,
+        init_new_token_ratio=0.0,
+        min_new_token_ratio=0.0,
+    )
     s = engine.scheduler
     reqs = [Req(f"r{i}", prompt, greedy(30)) for i, prompt in enumerate(PROMPTS)]
     for req in reqs:

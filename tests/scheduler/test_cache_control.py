@@ -68,8 +68,9 @@ def test_uncached_prefix_is_computed_then_pinned_and_survives_a_flood(overlap):
     assert again.status == 200 and again.pinned_tokens == 100
     s = loop.scheduler
     for i in range(12):  # 12 x 120 tokens through a 600-token pool
-        s.add_request(Req(f"flood-{i}", tokens(100 + i, 120), SamplingParams(temperature=0.0, max_new_tokens=4,
-                                                                             ignore_eos=True)))
+        s.add_request(
+            Req(f"flood-{i}", tokens(100 + i, 120), SamplingParams(temperature=0.0, max_new_tokens=4, ignore_eos=True))
+        )
     run(loop, control)
     assert cached(loop, ids) == 100 and cached(loop, tokens(100, 120)) == 0
     s.check_invariant(walk_tree=True)

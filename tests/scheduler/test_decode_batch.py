@@ -23,8 +23,9 @@ EOS_IDS = list(range(10, 30))  # ids the fake executor samples (about 2% of them
 def make_loop(overlap: bool, incremental: bool, num_kv_slots=4096, tokenizer=None, vocab_size=1000, **kw):
     kw.setdefault("max_running_requests", 16)
     # Shared-prefix attention is on by default, so the grouped decodes' arrays are compared too.
-    args = ServerArgs(device="cpu", disable_overlap_schedule=not overlap,
-                      disable_incremental_decode_batch=not incremental, **kw)
+    args = ServerArgs(
+        device="cpu", disable_overlap_schedule=not overlap, disable_incremental_decode_batch=not incremental, **kw
+    )
     scheduler = Scheduler(args, num_kv_slots, CONTEXT_LEN, EOS_IDS, tokenizer)
     scheduler.check_invariant_every_step = True
     return make_step_loop(scheduler, FakeExecutor(num_kv_slots, args.max_running_requests, CONTEXT_LEN, vocab_size))
@@ -39,11 +40,24 @@ def make_requests(n=24, seed=0, **params):
     reqs = []
     for i in range(n):
         prompt = roots[i % 3][: int(rng.integers(10, len(roots[i % 3]) + 1))] + rng.integers(30, 1000, 4).tolist()
-        extra = dict(stop_token_ids=[int(t) for t in rng.integers(30, 1000, 40)],
-                     min_new_tokens=int(rng.integers(0, 6))) if i % 3 == 0 else {}
-        reqs.append(Req(f"r{i}", prompt, SamplingParams(
-            temperature=0.0, max_new_tokens=int(rng.integers(1, 50)),
-            ignore_eos=i % 4 == 1 if ignore_eos is None else ignore_eos, **extra, **params)))
+        extra = (
+            dict(stop_token_ids=[int(t) for t in rng.integers(30, 1000, 40)], min_new_tokens=int(rng.integers(0, 6)))
+            if i % 3 == 0
+            else {}
+        )
+        reqs.append(
+            Req(
+                f"r{i}",
+                prompt,
+                SamplingParams(
+                    temperature=0.0,
+                    max_new_tokens=int(rng.integers(1, 50)),
+                    ignore_eos=i % 4 == 1 if ignore_eos is None else ignore_eos,
+                    **extra,
+                    **params,
+                ),
+            )
+        )
     return reqs
 
 
@@ -66,8 +80,19 @@ def run(loop, reqs, abort_when=None, arrive_every=0):
                 assert s.abort(rid)
         for out in loop.step():
             m = out.to_message()
-            messages[out.req.rid].append((m.token_ids, m.logprobs, m.finished, m.finish_reason, m.matched_stop,
-                                          m.error, m.prompt_tokens, m.completion_tokens, m.cached_tokens))
+            messages[out.req.rid].append(
+                (
+                    m.token_ids,
+                    m.logprobs,
+                    m.finished,
+                    m.finish_reason,
+                    m.matched_stop,
+                    m.error,
+                    m.prompt_tokens,
+                    m.completion_tokens,
+                    m.cached_tokens,
+                )
+            )
         assert s.stats.steps < 5_000
     s.check_invariant(walk_tree=True)
     assert not s.running and not s.waiting and all(r.status is ReqStatus.FINISHED for r in reqs)
@@ -125,13 +150,18 @@ def test_aborts_while_decoding():
         return len(delivered) >= 5
 
     for overlap in (True, False):
-        outputs = assert_same_with_and_without(overlap, {}, lambda: make_requests(12, seed=1, ignore_eos=True),
-                                               abort_when={"r2": mid_decode, "r7": mid_decode})[0]
+        outputs = assert_same_with_and_without(
+            overlap,
+            {},
+            lambda: make_requests(12, seed=1, ignore_eos=True),
+            abort_when={"r2": mid_decode, "r7": mid_decode},
+        )[0]
         assert outputs["r2"][1] == outputs["r7"][1] == "abort"
 
 
 def test_stop_strings():
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
     config = dict(tokenizer=tokenizer, vocab_size=2000)
     reference = run(make_loop(False, False, **config), make_requests(12, seed=2, ignore_eos=True))[0]
@@ -139,7 +169,8 @@ def test_stop_strings():
     stops = sorted({tokenizer.decode(out[3:5])[:3] for out, _, _, _ in reference.values() if len(out) > 6})[:4]
     for overlap in (True, False):
         outputs = assert_same_with_and_without(
-            overlap, config, lambda: make_requests(12, seed=2, ignore_eos=True, stop=stops))[0]
+            overlap, config, lambda: make_requests(12, seed=2, ignore_eos=True, stop=stops)
+        )[0]
         assert any(isinstance(matched, str) for _, _, matched, _ in outputs.values())
 
 
@@ -148,12 +179,23 @@ def test_output_messages_are_the_keyword_built_ones():
     the same fields, whatever is added to RequestOutput later."""
     from radixserve.protocol import RequestOutput
     from scheduler_service.step_output import StepOutput
+
     req = Req("r", [5, 6, 7], SamplingParams(temperature=0.0, max_new_tokens=4))
     req.output_ids, req.cached_tokens, req.finish_reason, req.matched_stop = [40, 41], 2, "stop", 41
     message = StepOutput(req, [41], [], True, 2).to_message()
-    assert message == RequestOutput(rid="r", token_ids=np.asarray([41], dtype=np.int32).tobytes(), logprobs=[],
-                                    finished=True, finish_reason="stop", matched_stop=41, error=None,
-                                    prompt_tokens=3, completion_tokens=2, cached_tokens=2, queue_time=None)
+    assert message == RequestOutput(
+        rid="r",
+        token_ids=np.asarray([41], dtype=np.int32).tobytes(),
+        logprobs=[],
+        finished=True,
+        finish_reason="stop",
+        matched_stop=41,
+        error=None,
+        prompt_tokens=3,
+        completion_tokens=2,
+        cached_tokens=2,
+        queue_time=None,
+    )
     # The decode path's own messages: the same as to_message's for every request that goes on.
     loop = make_loop(True, True)
     s = loop.scheduler

@@ -34,7 +34,9 @@ def saved(groups):
 
 _prompt_sets = st.lists(
     st.tuples(st.integers(0, 3), st.integers(0, 12), st.lists(st.integers(1, 3), min_size=1, max_size=6)),
-    min_size=1, max_size=8)
+    min_size=1,
+    max_size=8,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -49,8 +51,8 @@ def test_cut_search_saves_what_the_whole_search_saves(specs, min_tokens):
     for g in groups:
         assert len(g.members) >= 2 and g.prefix_len >= min_tokens and not seen & set(g.members)
         seen |= set(g.members)
-        first = prompts[g.members[0]][:g.prefix_len]
-        assert all(np.array_equal(prompts[m][:g.prefix_len], first) for m in g.members)
+        first = prompts[g.members[0]][: g.prefix_len]
+        assert all(np.array_equal(prompts[m][: g.prefix_len], first) for m in g.members)
         assert all(reqs[m].tree_len >= g.prefix_len for m in g.members)
 
 
@@ -66,7 +68,8 @@ def test_search_runs_again_only_when_the_decodes_change():
     # A later insert splits a system prompt's node: same tokens, same groups (the paths gain a node).
     tree.insert(np.concatenate([systems[0][:40], [7, 7, 7]]).astype(np.int32), tree.allocator.alloc(43))
     assert grouper.groups(reqs) is first
-    assert [(g.prefix_len, g.members) for g in DecodeGrouper(32).groups(reqs)] == \
-        [(g.prefix_len, g.members) for g in first]
+    assert [(g.prefix_len, g.members) for g in DecodeGrouper(32).groups(reqs)] == [
+        (g.prefix_len, g.members) for g in first
+    ]
     fewer = grouper.groups(reqs[1:])
     assert grouper.searches == 2 and sorted(len(g.members) for g in fewer) == [3, 4, 4]

@@ -71,7 +71,7 @@ class Harness:
         self.host_kv.save(save_src, save_dst)  # the worker's order: saves, loads, forward
         self.host_kv.load(load_src, load_dst)
         for (tokens, match, n), slots in zip(admitted, new_slots):
-            self._write_device(slots, kv_of(tokens)[len(match.slots):])
+            self._write_device(slots, kv_of(tokens)[len(match.slots) :])
         for (tokens, match, n), slots in zip(admitted, new_slots):
             self.tree.insert(tokens, np.concatenate([match.slots, slots]), namespace)
             self.tree.dec_lock_ref(match.last_node)
@@ -82,7 +82,7 @@ class Harness:
         for tree, read in ((self.tree, self._device_kv), (self.tier.tree, self._host_kv)):
             tree.check_invariants()
             for node in subtree(*tree._roots.values()):
-                want = kv_of(path_tokens(node))[-len(node):]
+                want = kv_of(path_tokens(node))[-len(node) :]
                 np.testing.assert_array_equal(read(node.value), want, err_msg=f"{tree is self.tree} {node!r}")
         assert self.allocator.num_free + self.tree.total_size() == self.allocator.num_total
         self.tier.check_invariant(walk_tree=True)
@@ -170,15 +170,20 @@ def test_random_workload_every_cached_slot_holds_its_prefix(seed, device="cpu"):
     runs them (saves, loads, forward) and every slot of both trees still holds the KV of its own prefix. A wrong
     order (loads first), a slot reused before its copy ran, or two copies into one slot would show here."""
     rng = np.random.default_rng(seed)
-    h = Harness(device_slots=int(rng.integers(80, 160)), host_slots=int(rng.integers(60, 300)),
-                min_load_tokens=int(rng.integers(1, 8)), device=device)
+    h = Harness(
+        device_slots=int(rng.integers(80, 160)),
+        host_slots=int(rng.integers(60, 300)),
+        min_load_tokens=int(rng.integers(1, 8)),
+        device=device,
+    )
     roots = [rng.integers(0, 50, int(rng.integers(5, 30))).tolist() for _ in range(4)]
     for _ in range(30):
         prompts = []
         for _ in range(int(rng.integers(1, 4))):
             prefix = roots[int(rng.integers(len(roots)))]
-            prompts.append(prefix[:int(rng.integers(1, len(prefix) + 1))] +
-                           rng.integers(0, 50, int(rng.integers(1, 25))).tolist())
+            prompts.append(
+                prefix[: int(rng.integers(1, len(prefix) + 1))] + rng.integers(0, 50, int(rng.integers(1, 25))).tolist()
+            )
         h.step(prompts, namespace=[None, "t"][int(rng.integers(2))])
         h.check()
     assert h.tier.saved_tokens > 0
@@ -209,6 +214,7 @@ def test_host_slot_leak_is_reported():
 
 
 # ---------------------------------------------------------------- through the engines
+
 
 def shared_prefix_workload(seed: int = 0):
     """Two questions (40 tokens each) on one 96-token system prompt, and a flood of unrelated prompts that fills a
@@ -262,15 +268,19 @@ def test_in_process_serial_loop_serves_an_evicted_prefix_from_host_memory():
     from scheduler_service.cache_stats import cache_numbers
     from scheduler_service.in_process_engine import InProcessEngine
 
-    engine = InProcessEngine(str(tiny_model_dir("llama")), device="cpu", max_total_tokens=256, hicache_size=0.001,
-                             disable_overlap_schedule=True)
+    engine = InProcessEngine(
+        str(tiny_model_dir("llama")),
+        device="cpu",
+        max_total_tokens=256,
+        hicache_size=0.001,
+        disable_overlap_schedule=True,
+    )
     engine.scheduler.check_invariant_every_step = True
     s = engine.scheduler
 
     def server_info():
         s.check_invariant(walk_tree=not s.running)
-        return {"prefill_tokens_computed": s.stats.prefill_tokens_computed, "kv_invariant_ok": True,
-                **cache_numbers(s)}
+        return {"prefill_tokens_computed": s.stats.prefill_tokens_computed, "kv_invariant_ok": True, **cache_numbers(s)}
 
     run_evict_and_hit(engine, server_info)
 
@@ -294,11 +304,17 @@ def test_benchmark_smoke_shows_host_hits_instead_of_prefill(tmp_path):
     from pathlib import Path
 
     out = tmp_path / "smoke.json"
-    proc = subprocess.run([sys.executable, "-m", "bench.host_tier_bench", "--smoke", "--json-out", str(out)],
-                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.host_tier_bench", "--smoke", "--json-out", str(out)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     results = json.loads(out.read_text())["results"]
     on, off = results["with host tier"], results["without host tier"]
     assert on["host_hits"]["median"] > 0 and off["host_hits"]["median"] == 0
-    assert on["prefill_tokens_computed"]["median"] == (off["prefill_tokens_computed"]["median"]
-                                                       - on["host_loaded_tokens"]["median"])
+    assert on["prefill_tokens_computed"]["median"] == (
+        off["prefill_tokens_computed"]["median"] - on["host_loaded_tokens"]["median"]
+    )

@@ -115,4 +115,4 @@ def test_hashes_name_a_prefix_and_its_namespace():
     assert block_hashes(a, 4, None)[1] != block_hashes(b, 4, None)[1]
     assert block_hashes(a, 4, "x") != block_hashes(a, 4, None) != block_hashes(a, 4, "y")
     assert block_hashes(a[:7], 4, None) == block_hashes(a, 4, None)[:1]  # only full blocks
-    assert all(-2**63 <= h < 2**63 for h in block_hashes(a, 4, "x"))  # Dynamo's signed 64-bit hashes
+    assert all(-(2**63) <= h < 2**63 for h in block_hashes(a, 4, "x"))  # Dynamo's signed 64-bit hashes

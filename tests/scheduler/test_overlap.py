@@ -21,6 +21,7 @@ EOS_IDS = list(range(10, 40))  # ids the fake executor samples (about 3% of them
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
 
 
@@ -37,16 +38,20 @@ def make_loop(overlap: bool, num_kv_slots=4096, tokenizer=None, vocab_size=1000,
 def prompts(n, seed=0):
     rng = np.random.default_rng(seed)
     roots = [rng.integers(10, 1000, int(rng.integers(5, 60))).tolist() for _ in range(3)]
-    return [roots[i % 3][: int(rng.integers(1, len(roots[i % 3]) + 1))] + rng.integers(10, 1000, 5).tolist()
-            for i in range(n)]
+    return [
+        roots[i % 3][: int(rng.integers(1, len(roots[i % 3]) + 1))] + rng.integers(10, 1000, 5).tolist()
+        for i in range(n)
+    ]
 
 
 def requests(ps, seed=0, **params):
     """Requests with various lengths; with ignore_eos=False some end on EOS (EOS_IDS)."""
     rng = np.random.default_rng(seed)
     params.setdefault("ignore_eos", True)
-    return [Req(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=int(rng.integers(1, 20)), **params))
-            for i, p in enumerate(ps)]
+    return [
+        Req(f"r{i}", p, SamplingParams(temperature=0.0, max_new_tokens=int(rng.integers(1, 20)), **params))
+        for i, p in enumerate(ps)
+    ]
 
 
 def run(loop, reqs, abort_when=None):
@@ -96,9 +101,13 @@ def both(config, reqs_fn, **run_kw):
 
 
 CONFIGS = [
-    dict(), dict(chunked_prefill_size=7), dict(chunked_prefill_size=-1),
-    dict(disable_mixed_batch=True, chunked_prefill_size=5), dict(disable_radix_cache=True, chunked_prefill_size=7),
-    dict(schedule_policy="fcfs"), dict(max_running_requests=3),
+    dict(),
+    dict(chunked_prefill_size=7),
+    dict(chunked_prefill_size=-1),
+    dict(disable_mixed_batch=True, chunked_prefill_size=5),
+    dict(disable_radix_cache=True, chunked_prefill_size=7),
+    dict(schedule_policy="fcfs"),
+    dict(max_running_requests=3),
     dict(num_kv_slots=200, chunked_prefill_size=16, init_new_token_ratio=0.05, min_new_token_ratio=0.01),
 ]
 
@@ -113,11 +122,17 @@ def test_fake_executor_same_outputs_with_and_without_overlap(config):
 def test_retraction_with_overlap_applies_the_step_in_flight_first():
     config = dict(num_kv_slots=100, init_new_token_ratio=0.01, min_new_token_ratio=0.01)
     ps = [list(range(10 + 50 * i, 40 + 50 * i)) for i in range(3)]
-    both(config, lambda: [Req(f"r{i}", p, SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True))
-                          for i, p in enumerate(ps)])
+    both(
+        config,
+        lambda: [
+            Req(f"r{i}", p, SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True)) for i, p in enumerate(ps)
+        ],
+    )
     loop = make_loop(True, **config)
-    run(loop, [Req(f"r{i}", p, SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True))
-               for i, p in enumerate(ps)])
+    run(
+        loop,
+        [Req(f"r{i}", p, SamplingParams(temperature=0, max_new_tokens=60, ignore_eos=True)) for i, p in enumerate(ps)],
+    )
     assert loop.scheduler.stats.retractions > 0
 
 
@@ -132,8 +147,9 @@ ABORT_POINTS = {
 @pytest.mark.parametrize("point", ABORT_POINTS)
 def test_aborts_at_every_stage(point):
     ps = [p * 3 for p in prompts(8, seed=3)]  # long enough to take several chunks
-    make = lambda: [Req(f"r{i}", p, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))  # noqa: E731
-                    for i, p in enumerate(ps)]
+    make = lambda: [  # noqa: E731
+        Req(f"r{i}", p, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)) for i, p in enumerate(ps)
+    ]
     when = ABORT_POINTS[point]
     results = both(dict(chunked_prefill_size=9), make, abort_when={"r1": when, "r5": when})
     assert results["r1"][1] == results["r5"][1] == "abort"
@@ -180,34 +196,49 @@ def test_a_request_that_stops_on_a_token_wastes_one_decode_and_frees_its_slot_on
 
 # ---------------------------------------------------------------- tiny model, in this process and multi-process
 
+
 def tiny_prompts(n, seed=0):
     rng = np.random.default_rng(seed)
     roots = [rng.integers(0, 49152, int(rng.integers(5, 40))).tolist() for _ in range(3)]
-    return [roots[i % 3][: int(rng.integers(1, len(roots[i % 3]) + 1))] + rng.integers(0, 49152, 8).tolist()
-            for i in range(n)]
+    return [
+        roots[i % 3][: int(rng.integers(1, len(roots[i % 3]) + 1))] + rng.integers(0, 49152, 8).tolist()
+        for i in range(n)
+    ]
 
 
 def tiny_params(n, seed=0):
     rng = np.random.default_rng(seed)
-    return [SamplingParams(temperature=0.0, max_new_tokens=int(rng.integers(1, 16)), ignore_eos=bool(i % 2))
-            for i in range(n)]
+    return [
+        SamplingParams(temperature=0.0, max_new_tokens=int(rng.integers(1, 16)), ignore_eos=bool(i % 2))
+        for i in range(n)
+    ]
 
 
 # tests/scheduler/test_scheduler_on_a_tiny_model.py runs another scenario with the tiny model through the default
 # (overlapped) loop against a serial one-at-a-time reference.
-@pytest.mark.parametrize("config", [
-    dict(chunked_prefill_size=7),
-    dict(max_total_tokens=80, disable_mixed_batch=True, chunked_prefill_size=16, init_new_token_ratio=0.05,
-         min_new_token_ratio=0.01),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(chunked_prefill_size=7),
+        dict(
+            max_total_tokens=80,
+            disable_mixed_batch=True,
+            chunked_prefill_size=16,
+            init_new_token_ratio=0.05,
+            min_new_token_ratio=0.01,
+        ),
+    ],
+)
 def test_in_process_engine_same_outputs_with_and_without_overlap(config):
     from scheduler_service.in_process_engine import InProcessEngine
+
     ps, params = tiny_prompts(8), tiny_params(8)
     config = {"max_total_tokens": 4096, "max_running_requests": 16, **config}
     results, retractions = {}, {}
     for overlap in (False, True):
-        engine = InProcessEngine(str(tiny_model_dir("llama")), device="cpu", disable_overlap_schedule=not overlap,
-                                 **config)
+        engine = InProcessEngine(
+            str(tiny_model_dir("llama")), device="cpu", disable_overlap_schedule=not overlap, **config
+        )
         engine.scheduler.check_invariant_every_step = True
         results[overlap] = [(r.token_ids, r.finish_reason, r.text) for r in engine.generate(ps, params)]
         retractions[overlap] = engine.scheduler.stats.retractions
@@ -222,11 +253,17 @@ def test_in_process_engine_same_outputs_with_and_without_overlap(config):
 @pytest.mark.server
 def test_multi_process_engine_same_outputs_with_and_without_overlap():
     from radixserve.engine import Engine
+
     ps, params = tiny_prompts(6, seed=2), tiny_params(6, seed=2)
     results = {}
     for overlap in (False, True):
-        with Engine(str(tiny_model_dir("llama")), device="cpu", max_total_tokens=2048, chunked_prefill_size=16,
-                    disable_overlap_schedule=not overlap) as engine:
+        with Engine(
+            str(tiny_model_dir("llama")),
+            device="cpu",
+            max_total_tokens=2048,
+            chunked_prefill_size=16,
+            disable_overlap_schedule=not overlap,
+        ) as engine:
             results[overlap] = [(r.token_ids, r.finish_reason) for r in engine.generate(ps, params)]
             info = engine.server_info()
             assert info["kv_invariant_ok"] and info["num_running"] == 0

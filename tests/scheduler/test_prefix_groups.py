@@ -63,8 +63,8 @@ def _check_groups(groups, prompts, matches, min_tokens):
         first = group.members[0]
         for m in group.members:
             assert len(matches[m].slots) >= group.prefix_len
-            assert np.array_equal(prompts[m][:group.prefix_len], prompts[first][:group.prefix_len])
-            assert np.array_equal(matches[m].slots[:group.prefix_len], matches[first].slots[:group.prefix_len])
+            assert np.array_equal(prompts[m][: group.prefix_len], prompts[first][: group.prefix_len])
+            assert np.array_equal(matches[m].slots[: group.prefix_len], matches[first].slots[: group.prefix_len])
 
 
 def test_exact_not_greedy_deepest_first():
@@ -91,8 +91,9 @@ def test_system_prompts_make_one_group_each():
     _, matches = _admit(prompts)
     paths = [node_path(m.last_node) for m in matches]
     groups = choose_prefix_groups(paths, min_tokens=64)
-    assert sorted((g.prefix_len, tuple(owner[m] for m in g.members)) for g in groups) == \
-        [(300, (s,) * 4) for s in range(3)]
+    assert sorted((g.prefix_len, tuple(owner[m] for m in g.members)) for g in groups) == [
+        (300, (s,) * 4) for s in range(3)
+    ]
     assert choose_prefix_groups(paths, min_tokens=301) == []  # below the threshold: nothing shared
 
 
@@ -110,9 +111,9 @@ def test_group_locks_hold_the_shared_node():
     (group,) = choose_prefix_groups([node_path(m.last_node) for m in matches], min_tokens=8)
     shared = node_path(matches[0].last_node)[0]
     assert group.prefix_len == len(shared) == 40 and shared.lock_ref == 2
-    assert tree.evict(10 ** 6) == 0
+    assert tree.evict(10**6) == 0
     tree.dec_lock_ref(matches[0].last_node)
-    assert shared.lock_ref == 1 and tree.evict(10 ** 6) == 2  # only the released request's own leaf
+    assert shared.lock_ref == 1 and tree.evict(10**6) == 2  # only the released request's own leaf
 
 
 def test_tables_drive_the_grouped_kernel_to_the_plain_result():
@@ -130,7 +131,7 @@ def test_tables_drive_the_grouped_kernel_to_the_plain_result():
     for i, m in enumerate(matches):
         own = tree.allocator.alloc(3)  # two output tokens and the one being decoded
         slots = np.concatenate([m.slots, own])
-        table[rows[i], :len(slots)] = torch.from_numpy(slots)
+        table[rows[i], : len(slots)] = torch.from_numpy(slots)
         seq_lens.append(len(slots))
     t = group_tables(groups, rows)
     assert t.group_member_start.tolist() == [0, 5] and t.req_group.tolist() == [0] * 5 + [-1]
@@ -142,15 +143,29 @@ def test_tables_drive_the_grouped_kernel_to_the_plain_result():
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     pools = torch.tensor(rows, dtype=torch.int32)
     out, expect = torch.empty_like(q), torch.empty_like(q)
-    reference.decode_attention_grouped(q, k_cache, v_cache, out, table, pools, lens, sm_scale=0.2,
-                                       max_seq_len=max(seq_lens), max_prefix_len=50, max_group_size=5, **ints)
+    reference.decode_attention_grouped(
+        q,
+        k_cache,
+        v_cache,
+        out,
+        table,
+        pools,
+        lens,
+        sm_scale=0.2,
+        max_seq_len=max(seq_lens),
+        max_prefix_len=50,
+        max_group_size=5,
+        **ints,
+    )
     reference.decode_attention(q, k_cache, v_cache, expect, table, pools, lens, 0.2, max(seq_lens))
     torch.testing.assert_close(out, expect, rtol=0, atol=1e-5)
 
 
 _prompt_sets = st.lists(
     st.tuples(st.integers(0, 3), st.integers(0, 12), st.lists(st.integers(1, 3), min_size=1, max_size=6)),
-    min_size=1, max_size=6)
+    min_size=1,
+    max_size=6,
+)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -167,13 +182,14 @@ def test_groups_share_their_prefix_and_are_optimal(specs, min_tokens):
     assert _saved(groups) == _brute_force_saved(paths, min_tokens)
     t = group_tables(groups, list(range(len(prompts))))
     for g, group in enumerate(groups):
-        members = t.group_members[t.group_member_start[g]:t.group_member_start[g + 1]].tolist()
+        members = t.group_members[t.group_member_start[g] : t.group_member_start[g + 1]].tolist()
         assert members == list(group.members) and all(t.req_group[m] == g for m in members)
     assert (t.req_group >= 0).sum() == sum(len(g.members) for g in groups)
 
 
 def test_large_batch_is_fast_enough_for_every_step():
     import time
+
     rng = np.random.default_rng(2)
     systems = [rng.integers(1000, 2000, size=200) for _ in range(16)]
     prompts = [np.concatenate([systems[i % 16], [5000 + i], rng.integers(1, 999, size=30)]) for i in range(256)]

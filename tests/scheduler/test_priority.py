@@ -44,8 +44,14 @@ def admission_order(loop: SerialStepLoop, reqs: list[Req]) -> list[str]:
 
 
 def test_higher_priority_is_admitted_first_only_with_the_flag():
-    reqs = lambda: [request("low-a", 0, 1), request("low-b", 0, 2), request("mid", 3, 3),  # noqa: E731
-                    request("high-a", 7, 4), request("negative", -2, 5), request("high-b", 7, 6)]
+    reqs = lambda: [  # noqa: E731
+        request("low-a", 0, 1),
+        request("low-b", 0, 2),
+        request("mid", 3, 3),
+        request("high-a", 7, 4),
+        request("negative", -2, 5),
+        request("high-b", 7, 6),
+    ]
     with_flag = admission_order(make_loop(enable_priority_scheduling=True), reqs())
     assert with_flag == ["high-a", "high-b", "mid", "low-a", "low-b", "negative"]
     for policy in ("lpm", "fcfs"):

@@ -87,8 +87,9 @@ def test_same_greedy_outputs_whatever_the_batching(model_dir, reference_outputs,
 
 def test_tiny_kv_pool_forces_eviction_and_retraction(model_dir, reference_outputs):
     prompts, expected = reference_outputs
-    engine = make_engine(model_dir, max_total_tokens=160, chunked_prefill_size=16, init_new_token_ratio=0.05,
-                         min_new_token_ratio=0.01)
+    engine = make_engine(
+        model_dir, max_total_tokens=160, chunked_prefill_size=16, init_new_token_ratio=0.05, min_new_token_ratio=0.01
+    )
     assert run_all(engine, prompts) == expected
     stats = engine.scheduler.stats
     assert stats.retractions > 0, "pool this small must retract"

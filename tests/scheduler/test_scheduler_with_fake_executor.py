@@ -21,6 +21,7 @@ EOS = 2
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
 
 
@@ -41,8 +42,10 @@ def prompts(n, seed=0):
     """Prompts sharing prefixes of various lengths, so the radix tree splits and reuses nodes."""
     rng = np.random.default_rng(seed)
     roots = [rng.integers(10, 1000, int(rng.integers(5, 60))).tolist() for _ in range(3)]
-    return [roots[i % 3][: int(rng.integers(1, len(roots[i % 3]) + 1))] + rng.integers(10, 1000, 5).tolist()
-            for i in range(n)]
+    return [
+        roots[i % 3][: int(rng.integers(1, len(roots[i % 3]) + 1))] + rng.integers(10, 1000, 5).tolist()
+        for i in range(n)
+    ]
 
 
 def run(loop, reqs) -> dict[str, Req]:
@@ -69,11 +72,17 @@ def reference(prompt_list, max_new=12) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("config", [
-    dict(), dict(chunked_prefill_size=7), dict(disable_mixed_batch=True, chunked_prefill_size=5),
-    dict(disable_radix_cache=True, chunked_prefill_size=7), dict(schedule_policy="fcfs"),
-    dict(num_kv_slots=200, chunked_prefill_size=16, init_new_token_ratio=0.05, min_new_token_ratio=0.01),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(),
+        dict(chunked_prefill_size=7),
+        dict(disable_mixed_batch=True, chunked_prefill_size=5),
+        dict(disable_radix_cache=True, chunked_prefill_size=7),
+        dict(schedule_policy="fcfs"),
+        dict(num_kv_slots=200, chunked_prefill_size=16, init_new_token_ratio=0.05, min_new_token_ratio=0.01),
+    ],
+)
 def test_outputs_do_not_depend_on_batching_caching_or_retraction(config):
     ps = prompts(30)
     loop = make_loop(**config)
@@ -86,10 +95,16 @@ def test_outputs_do_not_depend_on_batching_caching_or_retraction(config):
 
 # The batching configurations that ran on the tiny model (25-33 s each), here on the fake executor through the
 # overlapped loop that InProcessEngine runs; tests/scheduler/test_scheduler_on_a_tiny_model.py keeps the default one.
-@pytest.mark.parametrize("config", [
-    dict(chunked_prefill_size=7), dict(chunked_prefill_size=-1), dict(disable_mixed_batch=True, chunked_prefill_size=7),
-    dict(disable_radix_cache=True, chunked_prefill_size=7), dict(schedule_policy="fcfs"),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(chunked_prefill_size=7),
+        dict(chunked_prefill_size=-1),
+        dict(disable_mixed_batch=True, chunked_prefill_size=7),
+        dict(disable_radix_cache=True, chunked_prefill_size=7),
+        dict(schedule_policy="fcfs"),
+    ],
+)
 def test_overlapped_loop_outputs_do_not_depend_on_batching_or_a_warm_tree(config):
     ps = prompts(24, seed=4)
     expected = reference(ps)
@@ -121,8 +136,10 @@ def test_shared_system_prompt_hits_the_cache(capsys):
                 cached = [done[f"r{g * 8 + j}"].cached_tokens for j in range(1, 8)]
                 assert all(c >= 300 for c in cached), cached
     with capsys.disabled():
-        print(f"\nshared system prompt, 32 requests: prefill tokens computed {computed['radix']} with the radix "
-              f"cache vs {computed['no cache']} without")
+        print(
+            f"\nshared system prompt, 32 requests: prefill tokens computed {computed['radix']} with the radix "
+            f"cache vs {computed['no cache']} without"
+        )
     assert computed["radix"] < computed["no cache"] / 3
 
 
@@ -228,7 +245,7 @@ def test_stop_string_output_message_and_kv_release(tokenizer):
     req = Req("stop", prompt, greedy(20, stop=[stop]))
     s.add_request(req)
     finished = [out.to_message() for out in loop.run_until_idle() if out.finished]
-    message, = finished
+    (message,) = finished
     assert message.finish_reason == "stop" and message.matched_stop == stop and message.completion_tokens == 5
     assert not s.running and s.kv_usage()["owned"] == 0
     assert_idle(s)

@@ -50,10 +50,16 @@ def imported_modules(path: Path, root: Path = REPO_ROOT) -> list[tuple[int, str]
                 found.append((node.lineno, ".".join(base + ([node.module] if node.module else []))))
             else:
                 found.append((node.lineno, node.module))
-        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
-              and isinstance(node.args[0].value, str)
-              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
-                   or (isinstance(node.func, ast.Name) and node.func.id in ("__import__", "import_module")))):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (
+                (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                or (isinstance(node.func, ast.Name) and node.func.id in ("__import__", "import_module"))
+            )
+        ):
             found.append((node.lineno, node.args[0].value))
     return found
 
@@ -88,10 +94,16 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
         "    import importlib\n"
         "    importlib.import_module('scheduler_service.request')\n"
         "from . import sibling\n"
-        "from ..cache import radix_cache\n")
+        "from ..cache import radix_cache\n"
+    )
     assert sorted(m for _, m in imported_modules(package / "sub" / "mod.py", tmp_path)) == [
-        "importlib", "radixserve.cache", "radixserve.sub", "scheduler_service.request",
-        "scheduler_service.scheduler", "tokenizer_service"]
+        "importlib",
+        "radixserve.cache",
+        "radixserve.sub",
+        "scheduler_service.request",
+        "scheduler_service.scheduler",
+        "tokenizer_service",
+    ]
     assert [m for _, m in imported_modules(package / "sub" / "__init__.py", tmp_path)] == ["radixserve"]
     assert len(violations("radixserve", tmp_path)) == 3
 
@@ -99,8 +111,11 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
 def test_ci_runs_the_readme_test_command_verbatim():
     # What a new user types (README) is what CI runs (.ci/run): a drift would let CI pass on another command.
     readme = [line for line in (REPO_ROOT / "README.md").read_text().splitlines() if "pytest" in line]
-    ci = [line for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()
-          if "pytest" in line and not line.lstrip().startswith("#")]
+    ci = [
+        line
+        for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()
+        if "pytest" in line and not line.lstrip().startswith("#")
+    ]
     assert len(readme) >= 1 and len(ci) == 1, (readme, ci)
     assert ci[0].strip() in [line.strip() for line in readme], f".ci/run runs {ci[0]!r}; the README says {readme}"
 
@@ -172,26 +187,37 @@ def test_the_request_walk_names_files_and_functions_that_exist():
 def test_the_walk_checker_catches_a_wrong_count_file_or_function(tmp_path):
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "a.py").write_text("X = 1\nclass A:\n    def run(self):\n        def inner(): pass\n")
-    doc = ("## The life of one request\n\n**{n} files carry it**.\n\n| # | file | functions | what |\n"
-           "| --- | --- | --- | --- |\n{rows}\n## Next\n| 9 | `pkg/gone.py` | `f` | outside the section |\n")
+    doc = (
+        "## The life of one request\n\n**{n} files carry it**.\n\n| # | file | functions | what |\n"
+        "| --- | --- | --- | --- |\n{rows}\n## Next\n| 9 | `pkg/gone.py` | `f` | outside the section |\n"
+    )
     good = "| 1 | `pkg/a.py` | `A.run`, `inner`, `X` | fine |"
     assert walk_problems(doc.format(n=1, rows=good), tmp_path) == []
     assert walk_problems(doc.format(n=2, rows=good), tmp_path) == [
-        "the text says 2 files carry the request; the table names 1"]
-    assert walk_problems(doc.format(n=1, rows="| 1 | `pkg/a.py` | `A.stop`, `B.run`, `nothing` | x |"),
-                         tmp_path) == ["pkg/a.py: no A.stop", "pkg/a.py: no B.run", "pkg/a.py: no nothing"]
+        "the text says 2 files carry the request; the table names 1"
+    ]
+    assert walk_problems(doc.format(n=1, rows="| 1 | `pkg/a.py` | `A.stop`, `B.run`, `nothing` | x |"), tmp_path) == [
+        "pkg/a.py: no A.stop",
+        "pkg/a.py: no B.run",
+        "pkg/a.py: no nothing",
+    ]
     assert walk_problems(doc.format(n=2, rows=good + "\n| 2 | `pkg/b.py` | `f` | x |"), tmp_path) == [
-        "pkg/b.py: no such file"]
-    assert "a file is named twice" in walk_problems(
-        doc.format(n=1, rows=good + "\n" + good.replace("| 1 |", "| 2 |")), tmp_path)[0]
+        "pkg/b.py: no such file"
+    ]
+    assert (
+        "a file is named twice"
+        in walk_problems(doc.format(n=1, rows=good + "\n" + good.replace("| 1 |", "| 2 |")), tmp_path)[0]
+    )
 
 
 def test_the_client_imports_nothing_of_ours_outside_itself():
     # The Python client needs httpx alone: importing it must not pull in torch through the engine's modules.
-    bad = [f"{path.relative_to(REPO_ROOT)}:{line} imports {module}"
-           for path in sorted((REPO_ROOT / "radixserve" / "client").rglob("*.py"))
-           for line, module in imported_modules(path)
-           if module.split(".")[0] in OURS and not module.startswith("radixserve.client")]
+    bad = [
+        f"{path.relative_to(REPO_ROOT)}:{line} imports {module}"
+        for path in sorted((REPO_ROOT / "radixserve" / "client").rglob("*.py"))
+        for line, module in imported_modules(path)
+        if module.split(".")[0] in OURS and not module.startswith("radixserve.client")
+    ]
     assert not bad, "\n".join(bad)
 
 

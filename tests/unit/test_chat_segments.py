@@ -28,15 +28,55 @@ from tokenizer_service.structured_outputs import chat_template_inputs
 from tokenizer_service.tokenization import Tokenization
 
 # Where pieces meet: special tokens' text, their halves, whitespace, NFC-sensitive and multi-byte text, digits.
-FRAGMENTS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
-             "<tool_response>", "</tool_response>", "<|", "|>", "<|im_start", "im_end|>", "system", "user\n",
-             "assistant", " ", "  ", "\n", "\n\n", "\r\n", "\t", " \n ", "e\u0301", "\u00e9", "\u0301", "\u00c5",
-             "A\u030a", "你好", "🫠", "👩\u200d💻", "123", "4567", "'s", "'ll", "{\"a\": 1}"]
-TEXT = st.lists(st.one_of(st.sampled_from(FRAGMENTS),
-                          st.text(st.characters(exclude_categories=("Cs",)), max_size=10)), max_size=8).map("".join)
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                           "required": ["city"]}}}
+FRAGMENTS = [
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<|",
+    "|>",
+    "<|im_start",
+    "im_end|>",
+    "system",
+    "user\n",
+    "assistant",
+    " ",
+    "  ",
+    "\n",
+    "\n\n",
+    "\r\n",
+    "\t",
+    " \n ",
+    "e\u0301",
+    "\u00e9",
+    "\u0301",
+    "\u00c5",
+    "A\u030a",
+    "你好",
+    "🫠",
+    "👩\u200d💻",
+    "123",
+    "4567",
+    "'s",
+    "'ll",
+    '{"a": 1}',
+]
+TEXT = st.lists(
+    st.one_of(st.sampled_from(FRAGMENTS), st.text(st.characters(exclude_categories=("Cs",)), max_size=10)), max_size=8
+).map("".join)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 @st.composite
@@ -49,8 +89,9 @@ def chat_bodies(draw) -> dict:
         message: dict = {"role": role, "content": draw(TEXT)}
         if role == "assistant" and draw(st.booleans()):
             arguments = json.dumps({"city": draw(TEXT)}, ensure_ascii=draw(st.booleans()))
-            message["tool_calls"] = [{"id": "call_1", "type": "function",
-                                      "function": {"name": "get_weather", "arguments": arguments}}]
+            message["tool_calls"] = [
+                {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+            ]
             if draw(st.booleans()):
                 message["content"] = None
         if role == "tool":
@@ -74,8 +115,11 @@ def whole_prompt_ids(tokenizer, req: ChatCompletionRequest) -> list[int]:
     options = {**dict(req.chat_template_kwargs or {}), **tool_options}
     if req.continue_final_message:
         options["continue_final_message"] = True
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                              tokenize=True, return_dict=False, **options))
+    return list(
+        tokenizer.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, tokenize=True, return_dict=False, **options
+        )
+    )
 
 
 TOKENIZER_DIRS = {"smollm2": smollm2_dir, "qwen3": qwen3_tokenizer_dir}
@@ -101,8 +145,9 @@ def encode(tokenization: Tokenization, req: ChatCompletionRequest) -> list[int] 
         return f"RequestError: {e.message}"
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(body=chat_bodies())
 def test_piece_ids_equal_whole_prompt_ids_on_fuzzed_chats(tokenizations, body):
     tokenizer, pieces, whole = tokenizations
@@ -134,15 +179,43 @@ def overlapping_backend():
     from tokenizers import AddedToken
 
     backend = load_tokenizer(smollm2_dir())._tokenizer
-    backend.add_tokens([AddedToken("<|im", normalized=False), AddedToken("<|im_start|>user", normalized=False),
-                        AddedToken("start|>", normalized=False), AddedToken("tart", normalized=True),
-                        AddedToken("ab", normalized=False), AddedToken("abc", normalized=False)])
+    backend.add_tokens(
+        [
+            AddedToken("<|im", normalized=False),
+            AddedToken("<|im_start|>user", normalized=False),
+            AddedToken("start|>", normalized=False),
+            AddedToken("tart", normalized=True),
+            AddedToken("ab", normalized=False),
+            AddedToken("abc", normalized=False),
+        ]
+    )
     return backend
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(text=st.lists(st.sampled_from(["<|im_start|>", "<|im_end|>", "user", "<|im", "start|>", "tart", "ab", "c",
-                                      "abc", " ", "\n", "x", "<", "|"]), max_size=24).map("".join))
+@given(
+    text=st.lists(
+        st.sampled_from(
+            [
+                "<|im_start|>",
+                "<|im_end|>",
+                "user",
+                "<|im",
+                "start|>",
+                "tart",
+                "ab",
+                "c",
+                "abc",
+                " ",
+                "\n",
+                "x",
+                "<",
+                "|",
+            ]
+        ),
+        max_size=24,
+    ).map("".join)
+)
 def test_cut_is_the_tokenizers_leftmost_longest_match(overlapping_backend, text):
     encoder = SegmentEncoder(overlapping_backend, SegmentCache(1 << 20, ()))
     expected = overlapping_backend.encode_batch([text], add_special_tokens=False)[0].ids
@@ -167,8 +240,7 @@ def test_start_up_check_falls_back_where_pieces_would_differ(tmp_path, caplog):
     # Metaspace that marks only the start of the whole text with a space (Ġ, in this vocabulary): a piece encoded
     # alone would get the mark too.
     def metaspace_first(spec):
-        spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u0120", "prepend_scheme": "first",
-                                 "split": True}
+        spec["pre_tokenizer"] = {"type": "Metaspace", "replacement": "\u0120", "prepend_scheme": "first", "split": True}
 
     tokenizer = _tokenizer_variant(tmp_path, metaspace_first)
     with caplog.at_level(logging.WARNING, logger="tokenizer_service.tokenization"):
@@ -177,8 +249,9 @@ def test_start_up_check_falls_back_where_pieces_would_differ(tmp_path, caplog):
         assert tokenization.segments is None
         assert "piece-wise ids differ" in tokenization.whole_prompt_reason
         assert "tokenized whole" in caplog.text and tokenization.whole_prompt_reason in caplog.text
-        req = ChatCompletionRequest(messages=[{"role": "system", "content": "Be brief."},
-                                              {"role": "user", "content": "Hello there"}])
+        req = ChatCompletionRequest(
+            messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+        )
         assert encode(tokenization, req) == whole_prompt_ids(tokenizer, req)
     finally:
         tokenization.close()
@@ -247,8 +320,9 @@ def test_a_piece_that_many_requests_bring_at_once_is_encoded_once():
     tokenizer = load_tokenizer(qwen3_tokenizer_dir())
     backend = GatedBackend(tokenizer._tokenizer)
     encoder = SegmentEncoder(backend, SegmentCache(1 << 24, ()))
-    text = tokenizer.apply_chat_template([{"role": "system", "content": "Rules. " * 200},
-                                          {"role": "user", "content": "Hi"}], tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Rules. " * 200}, {"role": "user", "content": "Hi"}], tokenize=False
+    )
     pieces = len({part for part in encoder.split(text) if isinstance(part, str)})
     results: list = []
     threads = [threading.Thread(target=lambda: results.append(encoder.encode(text, None))) for _ in range(8)]
@@ -281,8 +355,12 @@ def test_salts_never_share_pieces():
     tokenizer = load_tokenizer(qwen3_tokenizer_dir())
     tokenization = Tokenization(tokenizer, 4096, 1, segment_cache_mib=64)
     cache = tokenization.segments.cache
-    body = {"messages": [{"role": "system", "content": "A long and secret system prompt. " * 20},
-                         {"role": "user", "content": "Hi"}]}
+    body = {
+        "messages": [
+            {"role": "system", "content": "A long and secret system prompt. " * 20},
+            {"role": "user", "content": "Hi"},
+        ]
+    }
     try:
         for salt, seen in (("tenant-a", False), ("tenant-a", True), ("tenant-b", False), (None, False)):
             hits, misses = cache.hits, cache.misses

@@ -159,7 +159,7 @@ def test_numpy_token_ids(tok):
 
 
 def test_window_stays_small_on_long_output(tok):
-    text = ("Streaming text with 世界, emoji 😀🧑\u200d🧒 and 𠀀𠀁 rare CJK. " * 60)
+    text = "Streaming text with 世界, emoji 😀🧑\u200d🧒 and 𠀀𠀁 rare CJK. " * 60
     ids = tok.encode(text)
     detok = IncrementalDetokenizer(tok, tok.encode("Prompt"))
     deltas, largest = [], 0
@@ -187,9 +187,9 @@ def test_window_stays_small_on_invalid_bytes(tok):
 
 
 # Hypothesis: random text with plenty of multi-byte characters, random chunking, random context.
-_text = st.lists(
-    st.one_of(st.characters(blacklist_categories=("Cs",)), st.sampled_from(HARD_TEXT)), max_size=25
-).map("".join)
+_text = st.lists(st.one_of(st.characters(blacklist_categories=("Cs",)), st.sampled_from(HARD_TEXT)), max_size=25).map(
+    "".join
+)
 _chunks = st.lists(st.integers(1, 4), min_size=1, max_size=5)
 
 

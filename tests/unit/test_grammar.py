@@ -26,8 +26,7 @@ PERSON = {
         "score": {"type": "number", "minimum": -1.5, "maximum": 2.5},
         "role": {"enum": ["admin", "user", "guest"]},
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
-                    "required": ["city"]},
+        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]},
     },
     "required": ["name", "age", "role", "address"],
 }
@@ -74,8 +73,9 @@ def test_random_walks_through_a_json_schema_always_validate(compiler, tokenizer)
 
 
 def test_eos_is_allowed_only_where_the_grammar_accepts(compiler, tokenizer):
-    grammar = compiler.matcher(("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
-                                                           "required": ["a"]})))
+    grammar = compiler.matcher(
+        ("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}))
+    )
     for token in tokenizer.encode('{"a": 12', add_special_tokens=False):
         assert not grammar.allowed_tokens()[EOS]
         assert grammar.accept(token)
@@ -121,15 +121,18 @@ def test_json_object_mode_takes_any_object_and_nothing_else(compiler, tokenizer)
         assert not compiler.matcher(spec).accept(tokenizer.encode(text, add_special_tokens=False)[0])
 
 
-@pytest.mark.parametrize("spec, words", [
-    (("json_schema", "{not json"), ["invalid JSON schema", "not JSON"]),
-    (("json_schema", '{"type": "frob"}'), ["invalid JSON schema", "frob"]),
-    (("regex", "([a-z"), ["invalid regex", "Unclosed"]),
-    (("ebnf", "root ::= missing_rule"), ["invalid EBNF grammar", "missing_rule"]),
-    (("json_schema", '{"properties": ' * 70 + "{}" + "}" * 70), ["invalid JSON schema", "nested deeper than 64"]),
-    (("json_schema", "[" * 5000 + "]" * 5000), ["invalid JSON schema", "nested deeper than 64"]),
-    (("regex", "(" * 3000 + "a" + ")" * 3000), ["invalid regex", "maximum limit"]),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        (("json_schema", "{not json"), ["invalid JSON schema", "not JSON"]),
+        (("json_schema", '{"type": "frob"}'), ["invalid JSON schema", "frob"]),
+        (("regex", "([a-z"), ["invalid regex", "Unclosed"]),
+        (("ebnf", "root ::= missing_rule"), ["invalid EBNF grammar", "missing_rule"]),
+        (("json_schema", '{"properties": ' * 70 + "{}" + "}" * 70), ["invalid JSON schema", "nested deeper than 64"]),
+        (("json_schema", "[" * 5000 + "]" * 5000), ["invalid JSON schema", "nested deeper than 64"]),
+        (("regex", "(" * 3000 + "a" + ")" * 3000), ["invalid regex", "maximum limit"]),
+    ],
+)
 def test_bad_specs_raise_a_readable_grammar_error(compiler, spec, words):
     with pytest.raises(GrammarError) as info:
         compiler.compile(spec)
@@ -179,16 +182,21 @@ def test_replayed_outputs_reach_the_same_state(compiler, tokenizer):
 
 def sampling_state(compiler=None, spec=None, **params) -> SamplingRequestState:
     grammar = compiler.matcher(spec) if spec else None
-    return SamplingRequestState(SamplingParams(**params), eos_ids=[EOS], num_outputs=0, output_counts=None,
-                                seen_mask=None, grammar=grammar)
+    return SamplingRequestState(
+        SamplingParams(**params), eos_ids=[EOS], num_outputs=0, output_counts=None, seen_mask=None, grammar=grammar
+    )
 
 
 def test_sampler_masks_constrained_rows_only(compiler, tokenizer):
     sampler = Sampler(VOCAB, torch.device("cpu"))
     logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(0))
     spec = ("regex", "[0-9]+")
-    states = [sampling_state(temperature=0.0), sampling_state(compiler, spec, temperature=0.0),
-              sampling_state(temperature=0.0), sampling_state(compiler, spec, temperature=1.0)]
+    states = [
+        sampling_state(temperature=0.0),
+        sampling_state(compiler, spec, temperature=0.0),
+        sampling_state(temperature=0.0),
+        sampling_state(compiler, spec, temperature=1.0),
+    ]
     tokens, _ = sampler(logits.clone(), states, [0] * 4)
     assert tokens[0] == logits[0].argmax() and tokens[2] == logits[2].argmax()
     for row in (1, 3):
@@ -214,8 +222,10 @@ def test_sampler_follows_the_grammar_to_the_end(compiler, tokenizer):
 def test_grammar_wins_over_min_tokens_and_a_negative_bias(compiler, tokenizer):
     sampler = Sampler(VOCAB, torch.device("cpu"))
     done = tokenizer.encode("ab", add_special_tokens=False)
-    for state in (sampling_state(compiler, ("regex", "ab"), temperature=0.0, min_new_tokens=50),
-                  sampling_state(compiler, ("regex", "ab"), temperature=1.0, logit_bias={EOS: -100.0})):
+    for state in (
+        sampling_state(compiler, ("regex", "ab"), temperature=0.0, min_new_tokens=50),
+        sampling_state(compiler, ("regex", "ab"), temperature=1.0, logit_bias={EOS: -100.0}),
+    ):
         state.grammar.accept_all(done)
         neighbour = sampling_state(temperature=0.0, min_new_tokens=50)
         logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1))

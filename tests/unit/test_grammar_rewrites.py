@@ -17,13 +17,21 @@ SCHEMAS = [
     {"type": "string", "maxLength": 6},
     {"type": "string", "minLength": 2, "maxLength": 5},
     {"type": "string", "minLength": 3, "maxLength": 3},
-    {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 4}, "maxItems": 3},
-        "inner": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 7}}, "required": ["city"]},
-        "free": {"type": "string"},
-        "count": {"type": "integer", "minimum": 0, "maximum": 999},
-    }, "required": ["name", "tags", "inner"]},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 10},
+            "tags": {"type": "array", "items": {"type": "string", "minLength": 1, "maxLength": 4}, "maxItems": 3},
+            "inner": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 7}},
+                "required": ["city"],
+            },
+            "free": {"type": "string"},
+            "count": {"type": "integer", "minimum": 0, "maximum": 999},
+        },
+        "required": ["name", "tags", "inner"],
+    },
 ]
 
 
@@ -32,13 +40,17 @@ def compilers():
     from radixserve.tokenizer_loading import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_dir())
-    return (GrammarCompiler(tokenizer, VOCAB, [EOS], unroll_bounded_strings=True),
-            GrammarCompiler(tokenizer, VOCAB, [EOS], unroll_bounded_strings=False))
+    return (
+        GrammarCompiler(tokenizer, VOCAB, [EOS], unroll_bounded_strings=True),
+        GrammarCompiler(tokenizer, VOCAB, [EOS], unroll_bounded_strings=False),
+    )
 
 
 def test_the_rewrite_touches_bounded_strings_only():
-    ebnf = ('root ::= (("\\"" root_characters{2, 5} "\\"") | ("[" digits{0, 3} "]"))\n'
-            'root_characters ::= (([^\\0-\\x1f\\"\\\\\\r\\n]))\ndigits ::= (([0-9]))')
+    ebnf = (
+        'root ::= (("\\"" root_characters{2, 5} "\\"") | ("[" digits{0, 3} "]"))\n'
+        'root_characters ::= (([^\\0-\\x1f\\"\\\\\\r\\n]))\ndigits ::= (([0-9]))'
+    )
     out = unroll_bounded_strings(ebnf)
     assert 'root_characters root_characters root_characters__left3 "\\""' in out  # two required, then up to 3 more
     assert "digits{0, 3}" in out  # not a string's characters: left alone

@@ -230,11 +230,7 @@ class ReferenceCache:
             self.locks[tuple(tokens[: i + 1])] += delta
 
     def evictable_leaves(self):
-        return [
-            p
-            for p in self.slot
-            if self.locks[p] == 0 and not any(p + (a,) in self.slot for a in range(ALPHABET))
-        ]
+        return [p for p in self.slot if self.locks[p] == 0 and not any(p + (a,) in self.slot for a in range(ALPHABET))]
 
     def evict_tokens(self, count):
         for _ in range(count):

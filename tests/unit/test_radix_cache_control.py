@@ -233,13 +233,21 @@ def test_evict_hook_sees_each_leaf_before_its_slots_are_freed():
         seen.append((path_tokens.tolist(), slots.tolist(), namespace))
 
     cache.evict_hook = hook
-    full = {ns: cache.match_prefix(t, namespace=ns, record_hit=False).slots.tolist()
-            for ns, t in ((None, [1, 2, 3]), ("t", [1, 2, 3, 4, 5]))}
+    full = {
+        ns: cache.match_prefix(t, namespace=ns, record_hit=False).slots.tolist()
+        for ns, t in ((None, [1, 2, 3]), ("t", [1, 2, 3, 4, 5]))
+    }
     seven = cache.match_prefix([1, 2, 7], record_hit=False).slots.tolist()
     assert cache.evict(100) == 9
-    assert sorted(seen, key=str) == sorted([
-        ([1, 2, 3], full[None][2:], None), ([1, 2, 7], seven[2:], None), ([1, 2], full[None][:2], None),
-        ([1, 2, 3, 4, 5], full["t"], "t")], key=str)
+    assert sorted(seen, key=str) == sorted(
+        [
+            ([1, 2, 3], full[None][2:], None),
+            ([1, 2, 7], seven[2:], None),
+            ([1, 2], full[None][:2], None),
+            ([1, 2, 3, 4, 5], full["t"], "t"),
+        ],
+        key=str,
+    )
     # The parent [1, 2] goes after both of its children, never before.
     assert [s[0] for s in seen if s[2] is None][-1] == [1, 2]
     assert allocator.num_free == 20
@@ -255,7 +263,12 @@ def test_largest_prefixes_lists_leaves_branch_points_and_pin_ends():
         cache.match_prefix(list(range(10)) + [99, 98])
     top = cache.largest_prefixes(10)
     assert [(p["num_tokens"], p["pinned"], p["namespace"]) for p in top] == [
-        (40, False, None), (20, True, None), (12, False, None), (10, True, None), (3, False, "t")]
+        (40, False, None),
+        (20, True, None),
+        (12, False, None),
+        (10, True, None),
+        (3, False, "t"),
+    ]
     assert top[0]["tokens"] == list(range(PREFIX_PREVIEW_TOKENS))
     assert top[2]["tokens"] == list(range(10)) + [99, 98] and top[2]["hits"] == 3
     assert top[3]["hits"] == 3 and top[0]["hits"] == 0 and top[0]["last_use"] > 0

@@ -88,6 +88,7 @@ class ReferenceCache:
 
 class Running(NamedTuple):
     """A request in flight: it matched `prefix`, locked `node` (the reference: `names`) and computes into `own`."""
+
     names: list
     own: np.ndarray
     node: object
@@ -224,8 +225,11 @@ class CacheControlMachine(RuleBasedStateMachine):
     @rule(k=st.integers(1, 6))
     def largest_prefixes(self, k):
         pin_ends = {names[-1] for names, _ in self.pins.values()}
-        ends = [n for n in self.ref.slot
-                if n in pin_ends or sum((n[0], n[1] + (a,)) in self.ref.slot for a in range(ALPHABET)) != 1]
+        ends = [
+            n
+            for n in self.ref.slot
+            if n in pin_ends or sum((n[0], n[1] + (a,)) in self.ref.slot for a in range(ALPHABET)) != 1
+        ]
         top = self.cache.largest_prefixes(k)
         assert [p["num_tokens"] for p in top] == sorted((len(n[1]) for n in ends), reverse=True)[:k]
         for p in top:
@@ -251,7 +255,12 @@ class CacheControlMachine(RuleBasedStateMachine):
             for end in range(len(path) - len(node) + 1, len(path) + 1):
                 name = (node.namespace, path[:end])
                 assert (node.last_access, node.hit_count, node.priority, node.lock_ref, node.pin_ref) == (
-                    ref.access[name], ref.hits[name], ref.priority[name], ref.locks[name], ref.pins[name]), name
+                    ref.access[name],
+                    ref.hits[name],
+                    ref.priority[name],
+                    ref.locks[name],
+                    ref.pins[name],
+                ), name
 
     @invariant()
     def free_slots_are_exactly_the_unowned_ones(self):
@@ -261,8 +270,9 @@ class CacheControlMachine(RuleBasedStateMachine):
         self.allocator.free(free)
 
 
-SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 class LFUMachine(CacheControlMachine):

@@ -56,7 +56,7 @@ def test_split_whole_and_in_random_pieces(start, text, reasoning, content):
         rng, splitter, pos, got = random.Random(seed), ReasoningSplitter(start), 0, ["", ""]
         while pos < len(text):
             step = rng.randint(1, 5)
-            for i, piece in enumerate(splitter.feed(text[pos:pos + step])):
+            for i, piece in enumerate(splitter.feed(text[pos : pos + step])):
                 got[i] += piece
             pos += step
         for i, piece in enumerate(splitter.finish()):
@@ -69,8 +69,9 @@ def test_where_a_reply_starts_is_read_from_the_rendered_prompt(tokenizer):
     r1 = ReasoningParser("deepseek-r1", tokenizer, lambda t: tokenizer.decode([t]))
     messages = [{"role": "user", "content": "hi"}]
     thinking = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    no_thinking = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=False, enable_thinking=False)
+    no_thinking = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False, enable_thinking=False
+    )
     opened = tokenizer.encode("<|im_start|>assistant\n<think>\n", add_special_tokens=False)
     assert [qwen3.start_of_reply(ids) for ids in (thinking, no_thinking, opened)] == [MAYBE, CLOSED, OPEN]
     assert [r1.start_of_reply(ids) for ids in (thinking, no_thinking, opened)] == [OPEN, CLOSED, OPEN]
@@ -86,6 +87,7 @@ def test_where_a_reply_starts_is_read_from_the_rendered_prompt(tokenizer):
 
 
 # ------------------------------------------------------------------------------------------ grammar start
+
 
 def test_grammar_waits_for_the_end_of_the_reasoning_and_replays(tokenizer):
     compiler = GrammarCompiler(tokenizer, 151936, [151645])
@@ -112,6 +114,7 @@ def test_grammar_waits_for_the_end_of_the_reasoning_and_replays(tokenizer):
 
 
 # ------------------------------------------------------------------------------------------ the store
+
 
 def entry(response_id, owner="", salt=None):
     return StoredResponse(response_id, owner, salt, {"id": response_id}, [], pack_ids([1, 2]), pack_ids([3]))
@@ -148,23 +151,33 @@ def test_store_never_crosses_cache_salts():
 
 # ------------------------------------------------------------------------------------------ the splice
 
+
 def test_follow_up_prompt_starts_with_the_previous_turns_exact_ids(tokenizer):
     tokenization = Tokenization(tokenizer, 4096, 1)
     try:
         first = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "Say hello."}]})
         prompt = asyncio.run(tokenization.encode_chat(first))
         # The model wrote "hello world" one letter at a time, not as the tokenizer would write it.
-        output = [tokenizer.convert_tokens_to_ids(c) for c in "hello"] + \
-            tokenizer.encode(" world", add_special_tokens=False) + [151645]
+        output = (
+            [tokenizer.convert_tokens_to_ids(c) for c in "hello"]
+            + tokenizer.encode(" world", add_special_tokens=False)
+            + [151645]
+        )
         assert output[:5] != tokenizer.encode("hello", add_special_tokens=False)
         previous = StoredResponse("r", "", None, {}, [], pack_ids(prompt), pack_ids(output))
-        follow_up = ChatCompletionRequest.model_validate({"messages": [
-            {"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "hello world"},
-            {"role": "user", "content": "Again."}]})
+        follow_up = ChatCompletionRequest.model_validate(
+            {
+                "messages": [
+                    {"role": "user", "content": "Say hello."},
+                    {"role": "assistant", "content": "hello world"},
+                    {"role": "user", "content": "Again."},
+                ]
+            }
+        )
         plain = asyncio.run(tokenization.encode_chat(follow_up))
         spliced = asyncio.run(turn_prompt(tokenization, follow_up, previous))
-        assert plain[:len(prompt + output)] != prompt + output  # re-encoding loses the cached output
-        assert spliced[:len(prompt + output)] == prompt + output
+        assert plain[: len(prompt + output)] != prompt + output  # re-encoding loses the cached output
+        assert spliced[: len(prompt + output)] == prompt + output
         assert tokenizer.decode(spliced) == tokenizer.decode(plain)  # the same text
         # A template that rewrites the earlier turn: no splice, the plain prompt.
         rewritten = StoredResponse("r", "", None, {}, [], pack_ids(prompt), pack_ids(output[:-1] + [33]))

@@ -14,15 +14,18 @@ from radixserve.sampling import SamplingParams
 VOCAB, CONTEXT = 1000, 64
 
 
-@pytest.mark.parametrize("ids, params, words, param", [
-    ([], SamplingParams(), "prompt must not be empty", "prompt"),
-    ([1, VOCAB], SamplingParams(), f"token id {VOCAB}, outside the vocabulary [0, {VOCAB})", "prompt"),
-    ([1, -2], SamplingParams(), "token id -2", "prompt"),
-    ([1, 10 ** 30], SamplingParams(), f"token id {10 ** 30}", "prompt"),
-    ([1] * 60, SamplingParams(max_new_tokens=10), "you requested 70 tokens (60 in the messages, 10 in the", None),
-    ([1], SamplingParams(temperature=-1.0), "temperature", None),
-    ([1], SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids", None),
-])
+@pytest.mark.parametrize(
+    "ids, params, words, param",
+    [
+        ([], SamplingParams(), "prompt must not be empty", "prompt"),
+        ([1, VOCAB], SamplingParams(), f"token id {VOCAB}, outside the vocabulary [0, {VOCAB})", "prompt"),
+        ([1, -2], SamplingParams(), "token id -2", "prompt"),
+        ([1, 10**30], SamplingParams(), f"token id {10**30}", "prompt"),
+        ([1] * 60, SamplingParams(max_new_tokens=10), "you requested 70 tokens (60 in the messages, 10 in the", None),
+        ([1], SamplingParams(temperature=-1.0), "temperature", None),
+        ([1], SamplingParams(stop_token_ids=[VOCAB]), "stop_token_ids", None),
+    ],
+)
 def test_check_request_refuses_with_the_field_named(ids, params, words, param):
     with pytest.raises(InvalidRequest) as refused:
         check_request(ids, params, VOCAB, CONTEXT)
@@ -38,8 +41,9 @@ def test_check_request_accepts_and_defaults():
 
 
 def output(token_ids, finished=False, reason=None, matched=None, error=None, logprobs=()):
-    return RequestOutput("r", pack_i32(token_ids), list(logprobs), finished, reason, matched, error, 3,
-                         len(token_ids), 2, None)
+    return RequestOutput(
+        "r", pack_i32(token_ids), list(logprobs), finished, reason, matched, error, 3, len(token_ids), 2, None
+    )
 
 
 def run(pipeline, outputs):

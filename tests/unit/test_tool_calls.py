@@ -19,13 +19,25 @@ from tokenizer_service.tool_calls import (
     tool_choice_schema,
 )
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
-                                                   "unit": {"enum": ["celsius", "fahrenheit"]}},
-                   "required": ["city"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]},
+    },
+}
 TOOLS = [WEATHER, TIME]
 AUTO = ToolChoice("auto")
 
@@ -35,7 +47,7 @@ def streamed(text: str, parser: str, choice: ToolChoice, seed: int):
     rng, streamer, deltas, pos = random.Random(seed), make_streamer(parser, choice), [], 0
     while pos < len(text):
         step = rng.randint(1, 7)
-        deltas += streamer.feed(text[pos:pos + step])
+        deltas += streamer.feed(text[pos : pos + step])
         pos += step
     deltas += streamer.finish()
     content, calls = "", {}
@@ -56,14 +68,23 @@ def whole(text: str, parser: str, choice: ToolChoice):
 
 
 QWEN_CASES = [
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
-     None, [("get_weather", '{"city": "Paris"}')]),
-    ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
-     '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
-     "Let me check.", [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')]),
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+        None,
+        [("get_weather", '{"city": "Paris"}')],
+    ),
+    (
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+        "Let me check.",
+        [("get_weather", '{"city": "Paris", "unit": "celsius"}'), ("get_time", '{"zone": "CET"}')],
+    ),
     ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}', None, [("get_time", '{"zone": "UTC"}')]),
-    ("It is sunny in Paris, I think. 1 < 2 and <tool is a word.", "It is sunny in Paris, I think. 1 < 2 and <tool is a "
-     "word.", []),
+    (
+        "It is sunny in Paris, I think. 1 < 2 and <tool is a word.",
+        "It is sunny in Paris, I think. 1 < 2 and <tool is a word.",
+        [],
+    ),
     ("<tool_call>\nnot json\n</tool_call>", "<tool_call>\nnot json\n</tool_call>", []),
 ]
 
@@ -79,9 +100,12 @@ def test_qwen_format_parses_whole_and_streamed_alike(text, content, calls):
 
 LLAMA3_CASES = [
     ('{"name": "get_weather", "parameters": {"city": "Paris"}}', None, [("get_weather", '{"city": "Paris"}')]),
-    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
-     '{"name": "get_time", "parameters": {"zone": "a;b"}}', None,
-     [("get_weather", '{"city": "Rome"}'), ("get_time", '{"zone": "a;b"}')]),
+    (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+        '{"name": "get_time", "parameters": {"zone": "a;b"}}',
+        None,
+        [("get_weather", '{"city": "Rome"}'), ("get_time", '{"zone": "a;b"}')],
+    ),
     ("The weather is fine.", "The weather is fine.", []),
     ('{"name": "get_weather", "parameters": {"city": ', '{"name": "get_weather", "parameters": {"city": ', []),
 ]
@@ -104,10 +128,14 @@ def test_resolve_tool_choice():
     assert resolve_tool_choice(None, TOOLS) == ToolChoice("auto")
     assert resolve_tool_choice(None, None) == ToolChoice("none")
     assert resolve_tool_choice("required", TOOLS) == ToolChoice("required")
-    assert resolve_tool_choice({"type": "function", "function": {"name": "get_time"}}, TOOLS) == \
-        ToolChoice("named", "get_time")
-    for bad, words in [("always", "must be 'none'"), ({"type": "function", "function": {"name": "nope"}}, "nope"),
-                       ({"function": {"name": "get_time"}}, "must be a string or")]:
+    assert resolve_tool_choice({"type": "function", "function": {"name": "get_time"}}, TOOLS) == ToolChoice(
+        "named", "get_time"
+    )
+    for bad, words in [
+        ("always", "must be 'none'"),
+        ({"type": "function", "function": {"name": "nope"}}, "nope"),
+        ({"function": {"name": "get_time"}}, "must be a string or"),
+    ]:
         with pytest.raises(ValueError, match=words):
             resolve_tool_choice(bad, TOOLS)
     with pytest.raises(ValueError, match="needs at least one tool"):
@@ -116,18 +144,21 @@ def test_resolve_tool_choice():
 
 def test_check_tools_names_the_problem():
     check_tools(TOOLS)
-    for tools, words in [([{"type": "function"}], r"tools\[0\] must be"),
-                         ([WEATHER, WEATHER], "used by another tool"),
-                         ([{"type": "function", "function": {"name": ""}}], "non-empty string"),
-                         ([{"type": "function", "function": {"name": "f", "parameters": []}}], "JSON Schema object")]:
+    for tools, words in [
+        ([{"type": "function"}], r"tools\[0\] must be"),
+        ([WEATHER, WEATHER], "used by another tool"),
+        ([{"type": "function", "function": {"name": ""}}], "non-empty string"),
+        ([{"type": "function", "function": {"name": "f", "parameters": []}}], "JSON Schema object"),
+    ]:
         with pytest.raises(ValueError, match=words):
             check_tools(tools)
 
 
 def test_forced_choices_parse_what_their_schema_admits():
     required = json.loads(tool_choice_schema(ToolChoice("required"), TOOLS, parallel_tool_calls=True))
-    reply = ('[{"name": "get_time", "parameters": {"zone": "UTC"}}, '
-             '{"name": "get_weather", "parameters": {"city": "X"}}]')
+    reply = (
+        '[{"name": "get_time", "parameters": {"zone": "UTC"}}, {"name": "get_weather", "parameters": {"city": "X"}}]'
+    )
     jsonschema.validate(json.loads(reply), required)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "get_time", "parameters": {}}], required)  # zone is required
@@ -159,8 +190,13 @@ def test_parser_is_picked_from_the_template():
 
 HISTORY = [
     {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
 ]
 
@@ -182,9 +218,11 @@ def test_render_through_a_template_without_tools_describes_them_in_the_system_me
 
 
 def test_render_through_a_template_with_tools_passes_arguments_as_objects():
-    template = ("{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}{% for m in messages %}"
-                "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.city }}\n"
-                "{% endfor %}{{ m.role }}: {{ m.content }}\n{% endfor %}")
+    template = (
+        "{% for t in tools %}TOOL {{ t.function.name }}\n{% endfor %}{% for m in messages %}"
+        "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.city }}\n"
+        "{% endfor %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    )
     from jinja2 import Template
 
     messages = render_messages(HISTORY, TOOLS, template)
@@ -207,27 +245,36 @@ def test_request_fields_become_sampling_fields():
 
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}
-    assert sampling_fields(_chat_fields({"response_format": fmt, "logit_bias": {"7": -100}})) == \
-        {"json_schema": json.dumps(schema), "logit_bias": {7: -100.0}}
-    assert sampling_fields(_chat_fields({"response_format": {"type": "json_object"}})) == \
-        {"json_schema": '{"type": "object"}'}
+    assert sampling_fields(_chat_fields({"response_format": fmt, "logit_bias": {"7": -100}})) == {
+        "json_schema": json.dumps(schema),
+        "logit_bias": {7: -100.0},
+    }
+    assert sampling_fields(_chat_fields({"response_format": {"type": "json_object"}})) == {
+        "json_schema": '{"type": "object"}'
+    }
     assert sampling_fields(_chat_fields({"response_format": {"type": "text"}, "regex": "a+"})) == {"regex": "a+"}
     named = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}}
     assert json.loads(sampling_fields(_chat_fields(named))["json_schema"]) == TIME["function"]["parameters"]
     assert sampling_fields(_chat_fields({"tools": TOOLS})) == {}  # auto: the model is free
 
 
-@pytest.mark.parametrize("body, words", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{oops"}}}, "not valid JSON"),
-    ({"response_format": {"type": "json_schema"}}, "needs a json_schema object"),
-    ({"response_format": {"type": "json_object"}, "regex": "a"}, "only one of"),
-    ({"logit_bias": {"x": 1}}, "keys must be token ids"),
-    ({"logit_bias": {"1": 101}}, "[-100, 100]"),
-    ({"logit_bias": {"1": True}}, "must be a number"),
-    ({"tools": TOOLS, "tool_choice": "required", "regex": "a"}, "cannot be combined"),
-    ({"tools": [WEATHER, WEATHER]}, "used by another tool"),
-    ({"tool_choice": "required"}, "needs at least one tool"),
-])
+@pytest.mark.parametrize(
+    "body, words",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": "{oops"}}},
+            "not valid JSON",
+        ),
+        ({"response_format": {"type": "json_schema"}}, "needs a json_schema object"),
+        ({"response_format": {"type": "json_object"}, "regex": "a"}, "only one of"),
+        ({"logit_bias": {"x": 1}}, "keys must be token ids"),
+        ({"logit_bias": {"1": 101}}, "[-100, 100]"),
+        ({"logit_bias": {"1": True}}, "must be a number"),
+        ({"tools": TOOLS, "tool_choice": "required", "regex": "a"}, "cannot be combined"),
+        ({"tools": [WEATHER, WEATHER]}, "used by another tool"),
+        ({"tool_choice": "required"}, "needs at least one tool"),
+    ],
+)
 def test_bad_request_fields_name_the_problem(body, words):
     from pydantic import ValidationError
 
@@ -248,13 +295,16 @@ def test_chat_tools_stream_and_whole_replies_agree():
     message, finish = tools.message(text, "stop")
     assert finish == "tool_calls" and message["content"] == "Let me check."
     assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather", "get_time"]
-    pieces = [text[i:i + 9] for i in range(0, len(text), 9)]
-    deltas = [tools.stream_delta(0, piece, i == len(pieces) - 1, "stop" if i == len(pieces) - 1 else None)
-              for i, piece in enumerate(pieces)]
+    pieces = [text[i : i + 9] for i in range(0, len(text), 9)]
+    deltas = [
+        tools.stream_delta(0, piece, i == len(pieces) - 1, "stop" if i == len(pieces) - 1 else None)
+        for i, piece in enumerate(pieces)
+    ]
     assert deltas[-1][1] == "tool_calls"
     calls = [c for delta, _ in deltas for c in delta.get("tool_calls", [])]
-    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
-        [(i, c["function"]["name"], c["function"]["arguments"]) for i, c in enumerate(message["tool_calls"])]
+    assert [(c["index"], c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        (i, c["function"]["name"], c["function"]["arguments"]) for i, c in enumerate(message["tool_calls"])
+    ]
     assert "".join(delta.get("content", "") for delta, _ in deltas).strip() == "Let me check."
     plain = ChatTools(_chat_fields({}), "auto", tokenizer)
     assert plain.message("hi", "stop") == ({"role": "assistant", "content": "hi"}, "stop")

@@ -23,12 +23,13 @@ def mixed_states(n: int) -> list[SamplingRequestState]:
     for i in range(n):
         kind = i % 4
         counts = torch.bincount(torch.tensor([i, i, 7]), minlength=VOCAB) if kind == 1 else None
-        params = [SamplingParams(temperature=0.0, logprobs=3 if i % 3 == 0 else None),
-                  SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3),
-                  SamplingParams(temperature=0.8, top_p=0.9, seed=1000 + i, logit_bias={5: 2.0}),
-                  SamplingParams(temperature=1.2, top_k=40, min_p=0.05, seed=2000 + i)][kind]
-        states.append(SamplingRequestState(params, eos_ids=[0], num_outputs=2, output_counts=counts,
-                                           seen_mask=None))
+        params = [
+            SamplingParams(temperature=0.0, logprobs=3 if i % 3 == 0 else None),
+            SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.3),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=1000 + i, logit_bias={5: 2.0}),
+            SamplingParams(temperature=1.2, top_k=40, min_p=0.05, seed=2000 + i),
+        ][kind]
+        states.append(SamplingRequestState(params, eos_ids=[0], num_outputs=2, output_counts=counts, seen_mask=None))
     return states
 
 
@@ -47,15 +48,28 @@ def test_blocked_sampling_gives_the_tokens_of_one_call():
 
 
 def runner_and_batch(block_mib: int, rows: int = 64):
-    runner = ModelRunner(ServerArgs(device="cpu", dtype="float32", max_total_tokens=4096, max_running_requests=rows,
-                                    cpu_logits_block_mib=block_mib), tiny_model_dir("llama"))
+    runner = ModelRunner(
+        ServerArgs(
+            device="cpu",
+            dtype="float32",
+            max_total_tokens=4096,
+            max_running_requests=rows,
+            cpu_logits_block_mib=block_mib,
+        ),
+        tiny_model_dir("llama"),
+    )
     params = SamplingParams(temperature=0.7, top_p=0.9)
     prompts = [np.asarray([1 + i, 2 + i], dtype=np.int32) for i in range(rows)]
     batch = ForwardBatch(
-        step=0, req_pool_indices=pack_i32(range(rows)), prefix_lens=pack_i32([0] * rows),
-        extend_lens=pack_i32([2] * rows), input_ids=pack_i32(np.concatenate(prompts)),
-        out_cache_loc=pack_i32(np.arange(1, 2 * rows + 1)), sample_mask=bytes([1] * rows),
-        new_requests=[WorkerRequest(r, params) for r in range(rows)])
+        step=0,
+        req_pool_indices=pack_i32(range(rows)),
+        prefix_lens=pack_i32([0] * rows),
+        extend_lens=pack_i32([2] * rows),
+        input_ids=pack_i32(np.concatenate(prompts)),
+        out_cache_loc=pack_i32(np.arange(1, 2 * rows + 1)),
+        sample_mask=bytes([1] * rows),
+        new_requests=[WorkerRequest(r, params) for r in range(rows)],
+    )
     return runner, batch
 
 

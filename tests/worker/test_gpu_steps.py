@@ -27,13 +27,19 @@ SCENARIOS = [
 def prompts(n, seed=0, vocab=49152):
     rng = np.random.default_rng(seed)
     roots = [rng.integers(0, vocab, int(rng.integers(5, 60))).tolist() for _ in range(4)]
-    return [roots[i % 4][: int(rng.integers(1, len(roots[i % 4]) + 1))] + rng.integers(0, vocab, 20).tolist()
-            for i in range(n)]
+    return [
+        roots[i % 4][: int(rng.integers(1, len(roots[i % 4]) + 1))] + rng.integers(0, vocab, 20).tolist()
+        for i in range(n)
+    ]
 
 
 def greedy_outputs(config: dict, **flags) -> list[list[int]]:
-    engine = InProcessEngine(str(tiny_model_dir("llama")), device="cuda", dtype="float32", **{
-        "max_total_tokens": 8192, "max_running_requests": 64, **SMALL_GRAPHS, **config, **flags})
+    engine = InProcessEngine(
+        str(tiny_model_dir("llama")),
+        device="cuda",
+        dtype="float32",
+        **{"max_total_tokens": 8192, "max_running_requests": 64, **SMALL_GRAPHS, **config, **flags},
+    )
     engine.scheduler.check_invariant_every_step = True
     ps = prompts(24)
     rng = np.random.default_rng(1)
@@ -54,11 +60,18 @@ def test_same_greedy_outputs_with_overlap_and_prefill_graphs_on_or_off(config):
     assert greedy_outputs(config, disable_overlap_schedule=True) == expected
 
 
-@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, top_k=40, seed=3),
-                                      dict(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2)])
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_p=0.9, top_k=40, seed=3),
+        dict(temperature=1.0, frequency_penalty=0.5, repetition_penalty=1.2),
+    ],
+)
 def test_steady_state_decode_steps_never_synchronize(sampling):
-    engine = InProcessEngine(str(tiny_model_dir("qwen3")), device="cuda", max_total_tokens=8192,
-                             max_running_requests=32, **SMALL_GRAPHS)
+    engine = InProcessEngine(
+        str(tiny_model_dir("qwen3")), device="cuda", max_total_tokens=8192, max_running_requests=32, **SMALL_GRAPHS
+    )
     s = engine.scheduler
     for i, p in enumerate(prompts(16, seed=2)):
         s.add_request(Req(f"r{i}", p, SamplingParams(max_new_tokens=64, ignore_eos=True, **sampling)))

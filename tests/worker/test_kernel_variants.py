@@ -25,21 +25,36 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _interpreted(*argv):
     env = dict(os.environ, TRITON_INTERPRET="1", RADIXSERVE_KERNEL_BACKEND="triton")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 @pytest.mark.server
 def test_second_run_in_another_batch_makeup_compiles_nothing_new():
     # Split policy scaled to 20-token contexts (8-token slices), so that split counts follow the batch size as they
     # do at W1's 1,152 tokens on an H100. Both modes at once: one child process each.
-    common = ["-m", "bench.kernel_variants", "--in-process", "--shape", "2", "4", "16", "2", "4", "--runs", "3,0",
-              "--min-split-tokens", "8"]
+    common = [
+        "-m",
+        "bench.kernel_variants",
+        "--in-process",
+        "--shape",
+        "2",
+        "4",
+        "16",
+        "2",
+        "4",
+        "--runs",
+        "3,0",
+        "--min-split-tokens",
+        "8",
+    ]
     # Mode on also turns on the opt-in one-launch decode, mode off turns the fused layer kernels off, so that the audit
     # covers every kernel either way.
-    children = {"on": _interpreted(*common, "--modes", "on", "--engine-args", '{"enable_one_launch_decode": true}'),
-                "off": _interpreted(*common, "--modes", "off", "--engine-args",
-                                    '{"disable_fused_layer_kernels": true}')}
+    children = {
+        "on": _interpreted(*common, "--modes", "on", "--engine-args", '{"enable_one_launch_decode": true}'),
+        "off": _interpreted(*common, "--modes", "off", "--engine-args", '{"disable_fused_layer_kernels": true}'),
+    }
     outputs = {mode: child.communicate(timeout=300)[0] for mode, child in children.items()}
     for mode, out in outputs.items():
         print(out[-6000:])
@@ -49,10 +64,16 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
     # Not vacuous: start-up and the warm-up ran every kernel of the decode step (the extend kernel's variants at
     # start-up): in mode on the grouped decode's one launch and the fused layer kernels, in mode off the plain
     # decode's split and merge kernels and the unfused ones.
-    kernels = {"on": ("_decode_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(",
-                      "_silu_and_mul_kernel("),
-               "off": ("_decode_split_kernel(", "_decode_merge_kernel(", "_rope_kernel(", "_store_kv_kernel(",
-                       "_silu_and_mul_kernel(")}
+    kernels = {
+        "on": ("_decode_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(", "_silu_and_mul_kernel("),
+        "off": (
+            "_decode_split_kernel(",
+            "_decode_merge_kernel(",
+            "_rope_kernel(",
+            "_store_kv_kernel(",
+            "_silu_and_mul_kernel(",
+        ),
+    }
     for mode, out in outputs.items():
         for name in (*kernels[mode], "_extend_kernel(", "_rmsnorm_kernel("):
             assert name in out, (mode, name)
@@ -65,10 +86,26 @@ def test_extend_variants_of_every_batch_makeup_compile_at_start_up():
     # the extend kernel's 16-row blocks, while a run queueing requests 3 at a time does (a few short chunks beside
     # long contexts: extend_config narrows the blocks). Before ModelRunner compiled every extend variant at start-up,
     # that run met _extend_kernel(... BLOCK_M=16 ...) first: the compile of ~1.4 s seen in W1 runs on an H100.
-    child = _interpreted("-m", "bench.kernel_variants", "--in-process", "--shadow", "--h100", "--modes", "on",
-                         "--shape", "4", "16", "512", "64", "8", "--runs", "0,3", "--engine-args",
-                         '{"chunked_prefill_size": 8192, "shared_prefix_min_tokens": 512, "max_running_requests": 1024,'
-                         ' "max_total_tokens": 200000}')
+    child = _interpreted(
+        "-m",
+        "bench.kernel_variants",
+        "--in-process",
+        "--shadow",
+        "--h100",
+        "--modes",
+        "on",
+        "--shape",
+        "4",
+        "16",
+        "512",
+        "64",
+        "8",
+        "--runs",
+        "0,3",
+        "--engine-args",
+        '{"chunked_prefill_size": 8192, "shared_prefix_min_tokens": 512, "max_running_requests": 1024,'
+        ' "max_total_tokens": 200000}',
+    )
     out = child.communicate(timeout=400)[0]
     print(out[-6000:])
     assert "run 2 (waves of 3): 0 new variant keys" in out, out[-6000:]
@@ -84,8 +121,9 @@ def test_start_up_launches_every_extend_variant_the_h100_policy_can_select():
     i32 = lambda v: torch.tensor([v], dtype=torch.int32)  # noqa: E731
     cache = torch.zeros(32, 2, 16)
     with KernelVariants(shadow=True, h100=True) as variants:
-        triton_attention.compile_extend_variants(4, torch.float32, cache, cache, torch.zeros(2, 64, dtype=torch.int32),
-                                                 i32(0), i32(0), i32(1), i32(0))
+        triton_attention.compile_extend_variants(
+            4, torch.float32, cache, cache, torch.zeros(2, 64, dtype=torch.int32), i32(0), i32(0), i32(1), i32(0)
+        )
     keys = variants.new_in("start")
     assert {k.split("BLOCK_M=")[1].split(",")[0] for k in keys} == {"16", "32", "64", "128"}, keys
     assert all(k.startswith("_extend_kernel(") for k in keys)
@@ -133,17 +171,54 @@ print("MERGE OK")
 
 def test_keys_follow_triton_rules_and_ignore_batch_metadata():
     # The real JIT's rules, computed without a GPU: here the kernels are ordinary (compiled) JITFunctions.
-    from kernels import triton_attention
+    from kernels import triton_attention_kernels
 
-    kernel = triton_attention._decode_split_kernel
+    kernel = triton_attention_kernels._decode_split_kernel
     buf = torch.zeros(64, dtype=torch.int32)
     q, cache, mid = torch.zeros(4, 4, 16), torch.zeros(32, 2, 16), torch.zeros(4, 4, 16, 16)
 
     def key(req_rows, q_view=q, stride_rt=256, num_splits=2):
-        args = (q_view, cache, cache, buf, req_rows, buf[8:], mid, mid, q, 0.5, 64, 16, 32, 16, 32, 16,
-                stride_rt, 1024, 256, 16, 64, 16, 64, 16, num_splits)
-        return specialization_key(kernel, args, dict(GROUP=2, HEAD_DIM=16, BLOCK_H=16, BLOCK_D=16, BLOCK_N=32,
-                                                     DOT_PRECISION="ieee", num_warps=4, num_stages=1))
+        args = (
+            q_view,
+            cache,
+            cache,
+            buf,
+            req_rows,
+            buf[8:],
+            mid,
+            mid,
+            q,
+            0.5,
+            64,
+            16,
+            32,
+            16,
+            32,
+            16,
+            stride_rt,
+            1024,
+            256,
+            16,
+            64,
+            16,
+            64,
+            16,
+            num_splits,
+        )
+        return specialization_key(
+            kernel,
+            args,
+            dict(
+                GROUP=2,
+                HEAD_DIM=16,
+                BLOCK_H=16,
+                BLOCK_D=16,
+                BLOCK_N=32,
+                DOT_PRECISION="ieee",
+                num_warps=4,
+                num_stages=1,
+            ),
+        )
 
     base = key(buf[0:])
     # Batch metadata: slices at any offset, and any split count, select the same binary.
@@ -160,20 +235,66 @@ def test_keys_follow_triton_rules_and_ignore_batch_metadata():
 def test_one_launch_decode_key_ignores_batch_makeup():
     # The one-launch kernel: group tables at any offset, any batch size, group count, split count and prefix program
     # count select one binary; plain and grouped steps share it.
-    from kernels import one_launch_decode
+    from kernels import one_launch_kernel
 
-    kernel = one_launch_decode._decode_kernel
+    kernel = one_launch_kernel._decode_kernel
     buf = torch.zeros(256, dtype=torch.int32)
     q, cache, part = torch.zeros(4, 4, 16), torch.zeros(32, 2, 16), torch.zeros(4, 4, 17, 16)
 
     def key(offset=0, batch=4, groups=2, splits=1, programs=8, prefix_last=0, items=(True, True)):
-        tables = [buf[offset + 8 * i:] for i in range(8)]
-        args = (q, cache, cache, q, buf, *tables, part, part, buf, 0.5, 64, 16, 64, 16, 32, 16, 32, 16, 256,
-                1088, 272, 16, 272, 16, batch, groups, splits, programs, prefix_last, 256, 16)
-        return specialization_key(kernel, args, dict(NUM_KV_HEADS=2, GQA=2, HEAD_DIM=16, BLOCK_D=16, BLOCK_H=16,
-                                                     BLOCK_M=16, BLOCK_N=16, BLOCK_G=64, DOT_PRECISION="ieee",
-                                                     PREFIX_ITEMS=items[0], SUFFIX_ITEMS=items[1], num_warps=4,
-                                                     num_stages=1))
+        tables = [buf[offset + 8 * i :] for i in range(8)]
+        args = (
+            q,
+            cache,
+            cache,
+            q,
+            buf,
+            *tables,
+            part,
+            part,
+            buf,
+            0.5,
+            64,
+            16,
+            64,
+            16,
+            32,
+            16,
+            32,
+            16,
+            256,
+            1088,
+            272,
+            16,
+            272,
+            16,
+            batch,
+            groups,
+            splits,
+            programs,
+            prefix_last,
+            256,
+            16,
+        )
+        return specialization_key(
+            kernel,
+            args,
+            dict(
+                NUM_KV_HEADS=2,
+                GQA=2,
+                HEAD_DIM=16,
+                BLOCK_D=16,
+                BLOCK_H=16,
+                BLOCK_M=16,
+                BLOCK_N=16,
+                BLOCK_G=64,
+                DOT_PRECISION="ieee",
+                PREFIX_ITEMS=items[0],
+                SUFFIX_ITEMS=items[1],
+                num_warps=4,
+                num_stages=1,
+            ),
+        )
 
     base = key()
     assert key(offset=3) == key(batch=1, groups=1, splits=7, programs=1) == key(batch=128, splits=32) == base

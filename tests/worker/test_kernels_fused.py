@@ -17,8 +17,11 @@ from kernels import reference
 def _qkv(tokens, hq, hkv, d, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g).to(dtype)
-    views = (qkv[:, :hq * d].view(tokens, hq, d), qkv[:, hq * d:(hq + hkv) * d].view(tokens, hkv, d),
-             qkv[:, (hq + hkv) * d:].view(tokens, hkv, d))
+    views = (
+        qkv[:, : hq * d].view(tokens, hq, d),
+        qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d),
+        qkv[:, (hq + hkv) * d :].view(tokens, hkv, d),
+    )
     return qkv, views, g
 
 
@@ -27,8 +30,9 @@ def _qkv(tokens, hq, hkv, d, dtype, seed):
 def test_qk_twin_is_the_unfused_sequence(dtype, norm, rotary_dim):
     tokens, hq, hkv, d, slots = 7, 4, 2, 64, 40
     qkv, (q, k, v), g = _qkv(tokens, hq, hkv, d, dtype, seed=rotary_dim + norm)
-    weights = (torch.randn(d, generator=g).to(dtype) + 1, torch.randn(d, generator=g).to(dtype) + 1) if norm else (
-        None, None)
+    weights = (
+        (torch.randn(d, generator=g).to(dtype) + 1, torch.randn(d, generator=g).to(dtype) + 1) if norm else (None, None)
+    )
     cos_sin = torch.randn(100, rotary_dim, generator=g)
     positions = torch.randint(0, 100, (tokens,), generator=g)
     loc = torch.randperm(slots, generator=g)[:tokens].to(torch.int32)
@@ -78,15 +82,29 @@ def _old_mlp(self, x):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_step_on_the_cpu_is_unchanged(arch, dtype, monkeypatch):
     from bench import kernels_per_layer as kpl
-    from radixserve.config import ModelConfig
+    from radixserve.model_config import ModelConfig
     from radixserve.forward_context import set_forward_context
     from radixserve.loader import load_dummy
     from radixserve.models import llama
     from radixserve.models.registry import model_class
-    cfg = ModelConfig.from_dict(dict(architectures=[arch], hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=300,
-                                     rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=4096,
-                                     tie_word_embeddings=False, torch_dtype="float32"))
+
+    cfg = ModelConfig.from_dict(
+        dict(
+            architectures=[arch],
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=300,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+            torch_dtype="float32",
+        )
+    )
     old_default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

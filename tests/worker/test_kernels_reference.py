@@ -79,14 +79,23 @@ def random_batch(rng, gen, prefixes, extends, hq, hkv, d, dtype):
     v = torch.randn(total, hkv, d, generator=gen).to(dtype)
     starts, cursor, token = [], 0, 0
     for pool, prefix, ext in zip(pools, prefixes, extends):
-        req_to_token[pool, :prefix + ext] = slots[cursor:cursor + prefix + ext]
+        req_to_token[pool, : prefix + ext] = slots[cursor : cursor + prefix + ext]
         cursor += prefix + ext
-        new = req_to_token[pool, prefix:prefix + ext]
-        reference.store_kv(k[token:token + ext], v[token:token + ext], k_cache, v_cache, new)
+        new = req_to_token[pool, prefix : prefix + ext]
+        reference.store_kv(k[token : token + ext], v[token : token + ext], k_cache, v_cache, new)
         starts.append(token)
         token += ext
-    return dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, req_to_token=req_to_token, pools=pools,
-                starts=starts, seq_lens=seq_lens)
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        k_cache=k_cache,
+        v_cache=v_cache,
+        req_to_token=req_to_token,
+        pools=pools,
+        starts=starts,
+        seq_lens=seq_lens,
+    )
 
 
 def ints(values):
@@ -124,11 +133,24 @@ def test_extend_attention_matches_naive(seed, hq, hkv, d):
     b = random_batch(rng, gen, prefixes, extends, hq, hkv, d, torch.float32)
     scale = 1 / math.sqrt(d) * rng.uniform(0.5, 2.0)
     out = torch.full_like(b["q"], float("nan"))
-    reference.extend_attention(b["q"], b["k"], b["v"], out, b["k_cache"], b["v_cache"], b["req_to_token"],
-                               ints(b["pools"]), ints(prefixes), ints(extends), ints(b["starts"]), scale,
-                               max(extends))
-    expect = naive_extend(b["q"], b["k_cache"], b["v_cache"], b["req_to_token"], b["pools"], prefixes, extends,
-                          b["starts"], scale)
+    reference.extend_attention(
+        b["q"],
+        b["k"],
+        b["v"],
+        out,
+        b["k_cache"],
+        b["v_cache"],
+        b["req_to_token"],
+        ints(b["pools"]),
+        ints(prefixes),
+        ints(extends),
+        ints(b["starts"]),
+        scale,
+        max(extends),
+    )
+    expect = naive_extend(
+        b["q"], b["k_cache"], b["v_cache"], b["req_to_token"], b["pools"], prefixes, extends, b["starts"], scale
+    )
     assert rel_err(out, expect) < 1e-5
 
 
@@ -138,11 +160,25 @@ def test_extend_attention_bf16_close_to_fp64():
     prefixes, extends = [0, 29, 3], [17, 1, 40]
     b = random_batch(rng, gen, prefixes, extends, 8, 2, 64, torch.bfloat16)
     out = torch.full_like(b["q"], float("nan"))
-    reference.extend_attention(b["q"], b["k"], b["v"], out, b["k_cache"], b["v_cache"], b["req_to_token"],
-                               ints(b["pools"]), ints(prefixes), ints(extends), ints(b["starts"]), 0.125, 40)
+    reference.extend_attention(
+        b["q"],
+        b["k"],
+        b["v"],
+        out,
+        b["k_cache"],
+        b["v_cache"],
+        b["req_to_token"],
+        ints(b["pools"]),
+        ints(prefixes),
+        ints(extends),
+        ints(b["starts"]),
+        0.125,
+        40,
+    )
     assert out.dtype == torch.bfloat16
-    expect = naive_extend(b["q"], b["k_cache"], b["v_cache"], b["req_to_token"], b["pools"], prefixes, extends,
-                          b["starts"], 0.125)
+    expect = naive_extend(
+        b["q"], b["k_cache"], b["v_cache"], b["req_to_token"], b["pools"], prefixes, extends, b["starts"], 0.125
+    )
     assert rel_err(out, expect) < 1e-2
 
 
@@ -156,8 +192,9 @@ def test_extend_equals_full_prefill_split_anywhere():
     full = torch.full_like(b["q"], float("nan"))
     reference.extend_attention(b["q"], b["k"], b["v"], full, *args, ints([0]), ints([n]), ints([0]), 0.3, n)
     second = torch.full_like(b["q"][cut:], float("nan"))
-    reference.extend_attention(b["q"][cut:], b["k"][cut:], b["v"][cut:], second, *args, ints([cut]),
-                               ints([n - cut]), ints([0]), 0.3, n - cut)
+    reference.extend_attention(
+        b["q"][cut:], b["k"][cut:], b["v"][cut:], second, *args, ints([cut]), ints([n - cut]), ints([0]), 0.3, n - cut
+    )
     torch.testing.assert_close(second, full[cut:], rtol=1e-5, atol=1e-6)
 
 
@@ -171,8 +208,17 @@ def test_decode_attention_matches_naive(seed, hq, hkv, d):
     b = random_batch(rng, gen, [s - 1 for s in seq_lens], [1] * bsz, hq, hkv, d, torch.float32)
     out = torch.full_like(b["q"], float("nan"))
     scale = 1 / math.sqrt(d)
-    reference.decode_attention(b["q"], b["k_cache"], b["v_cache"], out, b["req_to_token"], ints(b["pools"]),
-                               ints(seq_lens), scale, max(seq_lens))
+    reference.decode_attention(
+        b["q"],
+        b["k_cache"],
+        b["v_cache"],
+        out,
+        b["req_to_token"],
+        ints(b["pools"]),
+        ints(seq_lens),
+        scale,
+        max(seq_lens),
+    )
     expect = naive_decode(b["q"], b["k_cache"], b["v_cache"], b["req_to_token"], b["pools"], seq_lens, scale)
     assert rel_err(out, expect) < 1e-5
 
@@ -187,8 +233,20 @@ def test_decode_equals_extend_of_one_token():
     dec = torch.full_like(b["q"], float("nan"))
     reference.decode_attention(b["q"], b["k_cache"], b["v_cache"], dec, *common, ints(seq_lens), 0.25, 64)
     ext = torch.full_like(b["q"], float("nan"))
-    reference.extend_attention(b["q"], b["k"], b["v"], ext, b["k_cache"], b["v_cache"], *common,
-                               ints([s - 1 for s in seq_lens]), ints([1] * 4), ints(b["starts"]), 0.25, 1)
+    reference.extend_attention(
+        b["q"],
+        b["k"],
+        b["v"],
+        ext,
+        b["k_cache"],
+        b["v_cache"],
+        *common,
+        ints([s - 1 for s in seq_lens]),
+        ints([1] * 4),
+        ints(b["starts"]),
+        0.25,
+        1,
+    )
     torch.testing.assert_close(dec, ext, rtol=1e-5, atol=1e-6)
 
 
@@ -245,8 +303,8 @@ def test_rope_matches_naive_on_strided_views(rotary_dim):
     t, hq, hkv, d, max_pos = 6, 4, 2, 16, 50
     qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen)
     original = qkv.clone()
-    q = qkv[:, :hq * d].view(t, hq, d)
-    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
     cos_sin = torch.randn(max_pos, rotary_dim, generator=gen)
     positions = torch.randint(0, max_pos, (t,), generator=gen)
     reference.rope(q, k, positions, cos_sin)
@@ -258,7 +316,7 @@ def test_rope_matches_naive_on_strided_views(rotary_dim):
         sin = cos_sin[positions[i], half:].double()
         for base, heads in ((0, hq), (hq * d, hkv)):
             for h in range(heads):
-                row = original[i, base + h * d:base + (h + 1) * d].double()
+                row = original[i, base + h * d : base + (h + 1) * d].double()
                 for j in range(half):
                     x1, x2 = row[j], row[half + j]
                     expect[i, base + h * d + j] = x1 * cos[j] - x2 * sin[j]

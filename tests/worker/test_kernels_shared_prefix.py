@@ -96,8 +96,14 @@ def test_dispatch_reaches_twin_on_cpu_and_matches():
 def test_triton_kernels_match_plain_decode_in_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", RADIXSERVE_KERNEL_BACKEND="triton")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    result = subprocess.run([sys.executable, BENCH_SCRIPT, "--interpret", "--seed", str(random.randrange(1 << 16))],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, BENCH_SCRIPT, "--interpret", "--seed", str(random.randrange(1 << 16))],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     print(result.stdout[-4000:], result.stderr[-4000:])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "ALL PASS" in result.stdout
@@ -109,24 +115,39 @@ def test_triton_kernels_match_plain_decode_in_interpreter():
 def test_gpu_grouped_matches_plain_kernel():
     # Both grouped paths; the one-launch kernel also with its prefix programs launched last and bf16 partials, and
     # as a CUDA graph pads the group table (so that rows are completed by prefix and by suffix items alike).
+    from bench import shared_prefix_kernel_checks as checks
     from bench.shared_prefix_batches import graph_padded
     from kernels import one_launch_decode, shared_prefix_attention, triton_attention
-    bench._DEVICE[0] = "cuda"
+
+    checks.DEVICE[0] = "cuda"
     rows = []
     g = torch.Generator().manual_seed(11)
     layout = ([(2048, [256] * 16), (1, [5, 1]), (700, [1, 33, 300])], [1, 2000, 64])
     for dtype in (torch.bfloat16, torch.float32):
         for impl in (shared_prefix_attention, one_launch_decode):
-            bench.check_case(rows, impl, triton_attention, reference, dtype, 32, 8, 128, *layout, "mixed", g)
+            checks.check_case(rows, impl, triton_attention, reference, dtype, 32, 8, 128, *layout, "mixed", g)
         for policy in (dict(prefix_last=True), dict(partials="input", slice_tokens=128)):
-            bench.check_case(rows, one_launch_decode, triton_attention, reference, dtype, 32, 8, 128, *layout,
-                             "mixed", g, dict(policy=policy))
+            checks.check_case(
+                rows,
+                one_launch_decode,
+                triton_attention,
+                reference,
+                dtype,
+                32,
+                8,
+                128,
+                *layout,
+                "mixed",
+                g,
+                dict(policy=policy),
+            )
     b = bench.make_grouped_batch([(1024, [128] * 16)] * 8, [], 32, 8, 128, torch.bfloat16, "cuda", g)
     for _ in range(3):  # arrival counts back at 0 after every launch
         out = torch.full(b["q"].shape, float("nan"), device="cuda")
         bench.run_grouped(one_launch_decode, graph_padded(b, 40960, 64), out)
         expect = torch.empty_like(out)
         bench.run_plain(triton_attention, b, expect)
-        rows.append(("bfloat16", "W1 padded", "", "", bench.rel_err(out, expect), None, 2e-2,
-                     bench.rel_err(out, expect) < 2e-2))
+        rows.append(
+            ("bfloat16", "W1 padded", "", "", bench.rel_err(out, expect), None, 2e-2, bench.rel_err(out, expect) < 2e-2)
+        )
     assert rows and all(r[-1] for r in rows), rows

@@ -29,16 +29,38 @@ def _child_env(**extra):
 @pytest.mark.server
 def test_triton_kernels_match_reference_in_interpreter():
     result = subprocess.run(
-        [sys.executable, "-m", "bench.check_kernels_gpu", "--interpret", "--small",
-         "--seed", str(random.randrange(1 << 16))],
-        cwd=ROOT, env=_child_env(TRITON_INTERPRET="1", RADIXSERVE_KERNEL_BACKEND="triton"),
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "bench.check_kernels_gpu",
+            "--interpret",
+            "--small",
+            "--seed",
+            str(random.randrange(1 << 16)),
+        ],
+        cwd=ROOT,
+        env=_child_env(TRITON_INTERPRET="1", RADIXSERVE_KERNEL_BACKEND="triton"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     print(result.stdout[-4000:], result.stderr[-4000:])
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "ALL PASS" in result.stdout
     # Every kernel family was exercised, not just imported.
-    for name in ("extend_attention", "decode_attention", "store_kv", "rmsnorm", "rope", "silu_and_mul", "dispatch",
-                 "decode_one_launch", "qkv_prep", "gate_up_silu", "skinny_linear"):
+    for name in (
+        "extend_attention",
+        "decode_attention",
+        "store_kv",
+        "rmsnorm",
+        "rope",
+        "silu_and_mul",
+        "dispatch",
+        "decode_one_launch",
+        "qkv_prep",
+        "gate_up_silu",
+        "skinny_linear",
+    ):
         assert f"\n{name} " in "\n" + result.stdout, name
 
 
@@ -46,12 +68,24 @@ def test_triton_kernels_match_reference_in_interpreter():
 def test_backend_comes_from_environment():
     code = "import kernels, sys; sys.stdout.write(kernels.get_backend())"
     for name in ("reference", "triton"):
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                             env=_child_env(RADIXSERVE_KERNEL_BACKEND=name))
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=_child_env(RADIXSERVE_KERNEL_BACKEND=name),
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout == name
-    bad = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env=_child_env(RADIXSERVE_KERNEL_BACKEND="fast"))
+    bad = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_child_env(RADIXSERVE_KERNEL_BACKEND="fast"),
+    )
     assert bad.returncode != 0 and "unknown kernel backend" in bad.stderr
 
 
@@ -75,6 +109,7 @@ def _assert_all_ok(checker):
 @pytest.mark.gpu
 def test_gpu_small_set():
     from kernels import reference, triton_attention, triton_elementwise
+
     check = _check_module()
     checker = check.Checker(torch, reference, triton_attention, "cuda")
     check.run_small(checker, torch, torch.Generator().manual_seed(1), triton_elementwise)
@@ -85,13 +120,22 @@ def test_gpu_small_set():
 @pytest.mark.parametrize("hq,hkv,d", [(32, 32, 64), (32, 16, 128), (32, 8, 128), (32, 4, 64)])
 def test_gpu_bf16_attention(hq, hkv, d):
     from kernels import reference, triton_attention
+
     check = _check_module()
     checker = check.Checker(torch, reference, triton_attention, "cuda")
     g = torch.Generator().manual_seed(hq + hkv + d)
     rng = random.Random(d)
     checker.extend(torch.bfloat16, hq, hkv, d, [0, 1000, 5, 129], [777, 1, 64, 1], "mixed", g)
-    checker.extend(torch.bfloat16, hq, hkv, d, [rng.randint(0, 300) for _ in range(40)],
-                   [rng.randint(1, 100) for _ in range(40)], "40 random", g)
+    checker.extend(
+        torch.bfloat16,
+        hq,
+        hkv,
+        d,
+        [rng.randint(0, 300) for _ in range(40)],
+        [rng.randint(1, 100) for _ in range(40)],
+        "40 random",
+        g,
+    )
     checker.extend(torch.bfloat16, hq, hkv, d, [300] * 9, [1] * 9, "short-extend config", g)
     checker.decode(torch.bfloat16, hq, hkv, d, [rng.randint(1, 3000) for _ in range(33)], "33 random", g)
     checker.decode(torch.bfloat16, hq, hkv, d, [5000], "one long", g)
@@ -102,6 +146,7 @@ def test_gpu_bf16_attention(hq, hkv, d):
 def test_gpu_auto_backend_dispatches_to_triton():
     import kernels
     from kernels import reference
+
     previous = kernels.get_backend()
     kernels.set_backend("auto")
     try:
@@ -119,6 +164,7 @@ def test_gpu_fused_layer_kernels():
     # Full-size shapes of the kernels that cut a decode layer's launches: Q/K norms + RoPE + KV store, gate/up +
     # SiLU-and-mul, and the one-launch decode attention (its splits merged in the launch, twice per batch).
     from kernels import reference, triton_attention
+
     check = _check_module()
     checker = check.Checker(torch, reference, triton_attention, "cuda")
     g = torch.Generator().manual_seed(5)
@@ -141,6 +187,7 @@ def test_gpu_decode_layer_launches_at_most_9_kernels():
     import kernels
     from bench import kernels_per_layer as kpl
     from radixserve.layers.linear import set_gemm_split_k
+
     model, cfg = kpl.build_model("qwen3-0.6b", num_layers=2)
     ctx, _, _ = kpl.decode_step(model, cfg, 1, 0, 300)
     previous = dict(kernels.OPTIONS)

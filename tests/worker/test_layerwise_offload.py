@@ -55,11 +55,16 @@ def assert_invariants(info: dict) -> None:
 
 CONFIGS = {
     "chunk64-ring2": dict(layerwise_offload_chunk_size=64, layerwise_offload_ring_size=2),
-    "chunk100-ring3-1unit": dict(layerwise_offload_chunk_size=100, layerwise_offload_ring_size=3,
-                                 layerwise_offload_units_per_step=1),
+    "chunk100-ring3-1unit": dict(
+        layerwise_offload_chunk_size=100, layerwise_offload_ring_size=3, layerwise_offload_units_per_step=1
+    ),
     "chunk256-ring2-whole-layers": dict(layerwise_offload_chunk_size=256, layerwise_offload_units_per_step=0),
-    "chunk48-ring3-serial": dict(layerwise_offload_chunk_size=48, layerwise_offload_ring_size=3,
-                                 layerwise_offload_units_per_step=3, disable_overlap_schedule=True),
+    "chunk48-ring3-serial": dict(
+        layerwise_offload_chunk_size=48,
+        layerwise_offload_ring_size=3,
+        layerwise_offload_units_per_step=3,
+        disable_overlap_schedule=True,
+    ),
 }
 
 
@@ -67,8 +72,15 @@ CONFIGS = {
 def test_offload_gives_the_tokens_of_a_pool_that_holds_it(model_dir, reference, config):
     longs, shorts, _ = workload()
     expected, follow_up, follow_up_expected = reference
-    with Engine(model_dir, device="cpu", max_total_tokens=POOL, chunked_prefill_size=32,
-                enable_layerwise_offload=True, hicache_size=HOST_GB, **config) as engine:
+    with Engine(
+        model_dir,
+        device="cpu",
+        max_total_tokens=POOL,
+        chunked_prefill_size=32,
+        enable_layerwise_offload=True,
+        hicache_size=HOST_GB,
+        **config,
+    ) as engine:
         outs = engine.generate(longs + shorts, GREEDY)
         assert [o.error for o in outs] == [None] * 4
         assert [o.token_ids for o in outs] == expected
@@ -91,10 +103,16 @@ def test_short_requests_keep_running_while_a_long_one_is_served(model_dir):
     """One long step per ordinary step: a short request gets all its tokens while a long prefill is still going
     (one unit a step: 2 layers x 16 chunks of the long prompt)."""
     longs, shorts, _ = workload()
-    with Engine(model_dir, device="cpu", max_total_tokens=POOL, enable_layerwise_offload=True, hicache_size=HOST_GB,
-                layerwise_offload_chunk_size=16, layerwise_offload_units_per_step=1) as engine:
-        long_out, short_out = engine.generate([longs[0], shorts[0]], SamplingParams(temperature=0.0,
-                                                                                    max_new_tokens=4))
+    with Engine(
+        model_dir,
+        device="cpu",
+        max_total_tokens=POOL,
+        enable_layerwise_offload=True,
+        hicache_size=HOST_GB,
+        layerwise_offload_chunk_size=16,
+        layerwise_offload_units_per_step=1,
+    ) as engine:
+        long_out, short_out = engine.generate([longs[0], shorts[0]], SamplingParams(temperature=0.0, max_new_tokens=4))
         assert short_out.first_token_s < long_out.first_token_s
         info = engine.server_info()
         assert info["long_steps"] >= 2 * 16 and info["steps"] > info["long_steps"]
@@ -102,8 +120,14 @@ def test_short_requests_keep_running_while_a_long_one_is_served(model_dir):
 
 
 def test_admission_names_the_limits(model_dir):
-    with Engine(model_dir, device="cpu", max_total_tokens=POOL, context_length=3000, enable_layerwise_offload=True,
-                hicache_size=HOST_GB) as engine:
+    with Engine(
+        model_dir,
+        device="cpu",
+        max_total_tokens=POOL,
+        context_length=3000,
+        enable_layerwise_offload=True,
+        hicache_size=HOST_GB,
+    ) as engine:
         capacity = engine.server_info()["hicache_capacity_tokens"]
         assert capacity < 3000
         with pytest.raises(ValueError, match="maximum context length is 3000 tokens"):
@@ -121,8 +145,11 @@ def test_host_memory_is_checked_at_start_up():
     from radixserve.runtime.preflight import LaunchError, check_host_memory
 
     check_host_memory(2.0, 1, available=int(3e9))
-    with pytest.raises(LaunchError, match=r"--hicache-size 2 GB of host KV per rank \(4 ranks on this node\) needs "
-                                          r"8.0 GB of host memory, but this machine has 3.0 GB available"):
+    with pytest.raises(
+        LaunchError,
+        match=r"--hicache-size 2 GB of host KV per rank \(4 ranks on this node\) needs "
+        r"8.0 GB of host memory, but this machine has 3.0 GB available",
+    ):
         check_host_memory(2.0, 4, available=int(3e9))
 
 
@@ -142,8 +169,9 @@ def test_real_weights_give_the_same_tokens_with_offload():
     from scheduler_service.in_process_engine import InProcessEngine
 
     model = str(smollm2_dir())
-    text = " ".join(f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones."
-                    for i in range(20))
+    text = " ".join(
+        f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(20)
+    )
     messages = [{"role": "user", "content": text + "\nWhich box holds the most stones?"}]
     params = SamplingParams(temperature=0.0, max_new_tokens=6, ignore_eos=True)
     whole = InProcessEngine(model, device="cpu", dtype="float32", max_total_tokens=1024)
@@ -151,8 +179,15 @@ def test_real_weights_give_the_same_tokens_with_offload():
     expected = whole.generate(prompt, params).token_ids
     pool = 112
     assert len(prompt) > 2.5 * pool
-    offload = InProcessEngine(model, device="cpu", dtype="float32", max_total_tokens=pool,
-                              enable_layerwise_offload=True, hicache_size=0.05, layerwise_offload_chunk_size=100)
+    offload = InProcessEngine(
+        model,
+        device="cpu",
+        dtype="float32",
+        max_total_tokens=pool,
+        enable_layerwise_offload=True,
+        hicache_size=0.05,
+        layerwise_offload_chunk_size=100,
+    )
     offload.scheduler.check_invariant_every_step = True
     out = offload.generate(prompt, params)
     assert out.token_ids == expected and out.error is None
@@ -167,8 +202,14 @@ def test_documents_in_the_host_tier_keep_to_their_salt_and_are_evicted_lru(model
     from scheduler_service.in_process_engine import InProcessEngine
     from scheduler_service.request import Req
 
-    engine = InProcessEngine(model_dir, device="cpu", max_total_tokens=POOL, enable_layerwise_offload=True,
-                             hicache_size=0.0007, layerwise_offload_chunk_size=128)  # ~1360 tokens of host KV
+    engine = InProcessEngine(
+        model_dir,
+        device="cpu",
+        max_total_tokens=POOL,
+        enable_layerwise_offload=True,
+        hicache_size=0.0007,
+        layerwise_offload_chunk_size=128,
+    )  # ~1360 tokens of host KV
     s = engine.scheduler
     s.check_invariant_every_step = True
     rng = np.random.default_rng(3)
@@ -204,8 +245,13 @@ def test_benchmark_smoke(tmp_path):
     import sys
     from pathlib import Path
 
-    proc = subprocess.run([sys.executable, "-m", "bench.long_context", "--smoke", "--out-dir", str(tmp_path)],
-                          cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.long_context", "--smoke", "--out-dir", str(tmp_path)],
+        cwd=Path(__file__).resolve().parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "long-context.json").read_text())
     assert res["kv_invariant_ok"] and res["rope_scaling"]["rope_type"] == "yarn"
@@ -221,8 +267,14 @@ def test_a_pinned_document_stays_in_host_memory(model_dir):
     from scheduler_service.cache_control import CacheControl
     from scheduler_service.in_process_engine import InProcessEngine
 
-    engine = InProcessEngine(model_dir, device="cpu", max_total_tokens=POOL, enable_layerwise_offload=True,
-                             hicache_size=0.0007, layerwise_offload_chunk_size=128)  # ~1360 tokens of host KV
+    engine = InProcessEngine(
+        model_dir,
+        device="cpu",
+        max_total_tokens=POOL,
+        enable_layerwise_offload=True,
+        hicache_size=0.0007,
+        layerwise_offload_chunk_size=128,
+    )  # ~1360 tokens of host KV
     s = engine.scheduler
     s.check_invariant_every_step = True
     control = CacheControl(s, None)
@@ -257,10 +309,13 @@ def test_through_the_http_server(model_dir, reference):
 
     longs, _, _ = workload()
     expected = reference[0][0]
-    with launched_server(model_dir, "--max-total-tokens", str(POOL), "--enable-layerwise-offload", "--hicache-size",
-                         str(HOST_GB)) as server:
-        body = {"input_ids": longs[0], "sampling_params": {"max_new_tokens": OUT, "temperature": 0.0,
-                                                           "ignore_eos": True}}
+    with launched_server(
+        model_dir, "--max-total-tokens", str(POOL), "--enable-layerwise-offload", "--hicache-size", str(HOST_GB)
+    ) as server:
+        body = {
+            "input_ids": longs[0],
+            "sampling_params": {"max_new_tokens": OUT, "temperature": 0.0, "ignore_eos": True},
+        }
         reply = httpx.post(f"{server.url}/generate", json=body, timeout=120)
         assert reply.status_code == 200, reply.text
         assert reply.json()["output_ids"] == expected
@@ -281,8 +336,14 @@ def test_aborts_in_the_middle_of_jobs(model_dir):
 
     longs, _, _ = workload()
     params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
-    config = dict(device="cpu", max_total_tokens=POOL, enable_layerwise_offload=True, hicache_size=HOST_GB,
-                  layerwise_offload_chunk_size=64, layerwise_offload_units_per_step=1)
+    config = dict(
+        device="cpu",
+        max_total_tokens=POOL,
+        enable_layerwise_offload=True,
+        hicache_size=HOST_GB,
+        layerwise_offload_chunk_size=64,
+        layerwise_offload_units_per_step=1,
+    )
     alone = InProcessEngine(model_dir, **config).generate(longs[0], params).token_ids
     engine = InProcessEngine(model_dir, **config)
     s = engine.scheduler

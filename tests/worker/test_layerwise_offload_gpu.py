@@ -9,6 +9,7 @@ import torch
 
 try:
     import pytest
+
     pytestmark = pytest.mark.gpu
     server = pytest.mark.server  # a test that starts processes (tests/conftest.py)
 except ImportError:  # the GPU machine may lack pytest: the round's script calls the tests itself
@@ -36,22 +37,29 @@ def test_ring_copies_wait_for_each_other():
     new_slots = np.arange(tokens, tokens + 8, dtype=np.int32)
     sums = []
     for layer in range(layers):
+
         def fill(b, layer=layer):
             ring.load(b, 1, host_k[layer], host_v[layer], host_runs(context))
+
         b = ring.acquire(("job", layer), layer, fill)
         if layer + 1 < layers:
-            ring.prefetch(("job", layer + 1), layer + 1, lambda b, layer=layer + 1: ring.load(
-                b, 1, host_k[layer], host_v[layer], host_runs(context)))
+            ring.prefetch(
+                ("job", layer + 1),
+                layer + 1,
+                lambda b, layer=layer + 1: ring.load(b, 1, host_k[layer], host_v[layer], host_runs(context)),
+            )
         torch.cuda._sleep(2_000_000)  # the compute stream falls behind the copies
-        sums.append(ring.k[b][1:1 + tokens].sum() + ring.v[b][1:1 + tokens].sum())
-        ring.k[b][1 + tokens:1 + tokens + 8] = float(layer)
-        ring.v[b][1 + tokens:1 + tokens + 8] = -float(layer)
+        sums.append(ring.k[b][1 : 1 + tokens].sum() + ring.v[b][1 : 1 + tokens].sum())
+        ring.k[b][1 + tokens : 1 + tokens + 8] = float(layer)
+        ring.v[b][1 + tokens : 1 + tokens + 8] = -float(layer)
         ring.save(b, [(1 + tokens, 8)], host_k[layer], host_v[layer], host_runs(new_slots))
     torch.cuda.synchronize()
     for layer in range(layers):
         want = host_k[layer, :tokens].sum() + host_v[layer, :tokens].sum()
         torch.testing.assert_close(sums[layer].cpu(), want, rtol=1e-4, atol=1e-2)
-        assert (host_k[layer, tokens:tokens + 8] == layer).all() and (host_v[layer, tokens:tokens + 8] == -layer).all()
+        assert (host_k[layer, tokens : tokens + 8] == layer).all() and (
+            host_v[layer, tokens : tokens + 8] == -layer
+        ).all()
 
 
 @server
@@ -71,11 +79,13 @@ def test_offload_gives_the_tokens_of_a_pool_that_holds_it_on_cuda():
         expected = [o.token_ids for o in engine.generate(longs + shorts, params)]
         follow_up = longs[0] + expected[0] + question
         follow_expected = engine.generate(follow_up, params).token_ids
-    for config in (dict(layerwise_offload_chunk_size=128, layerwise_offload_ring_size=2),
-                   dict(layerwise_offload_chunk_size=1000, layerwise_offload_ring_size=3,
-                        layerwise_offload_units_per_step=0)):
-        with Engine(model, max_total_tokens=256, enable_layerwise_offload=True, hicache_size=0.05, **common,
-                    **config) as engine:
+    for config in (
+        dict(layerwise_offload_chunk_size=128, layerwise_offload_ring_size=2),
+        dict(layerwise_offload_chunk_size=1000, layerwise_offload_ring_size=3, layerwise_offload_units_per_step=0),
+    ):
+        with Engine(
+            model, max_total_tokens=256, enable_layerwise_offload=True, hicache_size=0.05, **common, **config
+        ) as engine:
             assert [o.token_ids for o in engine.generate(longs + shorts, params)] == expected, config
             again = engine.generate(follow_up, params)
             assert again.token_ids == follow_expected and again.cached_tokens == 1024 + 16 - 1, config
@@ -94,13 +104,23 @@ def test_yarn_through_the_fused_kernel_matches_hf_on_cuda():
 
     model = tiny_model_dir("qwen3", rope_scaling=YARN)
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).cuda().eval()
-    runner = ModelRunner(ServerArgs(device="cuda", dtype="float32", max_total_tokens=2048, max_running_requests=4,
-                                    disable_cuda_graph=True), model)
+    runner = ModelRunner(
+        ServerArgs(
+            device="cuda", dtype="float32", max_total_tokens=2048, max_running_requests=4, disable_cuda_graph=True
+        ),
+        model,
+    )
     ids = np.random.default_rng(3).integers(0, 49152, 1500).astype(np.int32)
-    batch = ForwardBatch(step=0, req_pool_indices=pack_i32([1]), prefix_lens=pack_i32([0]),
-                         extend_lens=pack_i32([len(ids)]), input_ids=ids.tobytes(),
-                         out_cache_loc=pack_i32(np.arange(1, len(ids) + 1)), sample_mask=b"\x01",
-                         new_requests=[WorkerRequest(1, SamplingParams(temperature=0.0))])
+    batch = ForwardBatch(
+        step=0,
+        req_pool_indices=pack_i32([1]),
+        prefix_lens=pack_i32([0]),
+        extend_lens=pack_i32([len(ids)]),
+        input_ids=ids.tobytes(),
+        out_cache_loc=pack_i32(np.arange(1, len(ids) + 1)),
+        sample_mask=b"\x01",
+        new_requests=[WorkerRequest(1, SamplingParams(temperature=0.0))],
+    )
     ours = runner.compute_logits(batch, all_positions=True)
     with torch.no_grad():
         theirs = hf(torch.tensor([ids.tolist()], device="cuda")).logits[0]

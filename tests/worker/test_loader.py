@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from radixserve.config import ModelConfig, ServerArgs
+from radixserve.config import ServerArgs
+from radixserve.model_config import ModelConfig
 from radixserve.testing.tiny_models import tiny_model_dir
 from radixserve.worker.model_runner import ModelRunner
 

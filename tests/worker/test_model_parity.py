@@ -25,8 +25,9 @@ def setup(request):
 
     model_dir = tiny_model_dir(request.param)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    runner = ModelRunner(ServerArgs(device="cpu", dtype="float32", max_total_tokens=NUM_SLOTS,
-                                    max_running_requests=8), model_dir)
+    runner = ModelRunner(
+        ServerArgs(device="cpu", dtype="float32", max_total_tokens=NUM_SLOTS, max_running_requests=8), model_dir
+    )
     return hf, runner
 
 
@@ -48,10 +49,16 @@ class SlotPool:
 
 def batch(rows, prefix_lens, chunks, slots, new_rows=(), row_writes=(), step=0):
     return ForwardBatch(
-        step=step, req_pool_indices=pack_i32(rows), prefix_lens=pack_i32(prefix_lens),
-        extend_lens=pack_i32([len(c) for c in chunks]), input_ids=pack_i32(np.concatenate(chunks)),
-        out_cache_loc=pack_i32(np.concatenate(slots)), sample_mask=bytes([1] * len(rows)),
-        new_requests=[WorkerRequest(r, GREEDY) for r in new_rows], reused_slots=list(row_writes))
+        step=step,
+        req_pool_indices=pack_i32(rows),
+        prefix_lens=pack_i32(prefix_lens),
+        extend_lens=pack_i32([len(c) for c in chunks]),
+        input_ids=pack_i32(np.concatenate(chunks)),
+        out_cache_loc=pack_i32(np.concatenate(slots)),
+        sample_mask=bytes([1] * len(rows)),
+        new_requests=[WorkerRequest(r, GREEDY) for r in new_rows],
+        reused_slots=list(row_writes),
+    )
 
 
 def random_ids(n, seed, vocab=49152):
@@ -74,7 +81,8 @@ def test_extend_over_cached_prefix_in_scattered_slots(setup):
     runner.compute_logits(batch([2], [0], [ids[:41]], [prefix_slots], [2]))
     out = runner.compute_logits(
         batch([3], [41], [ids[41:]], [pool.take(29)], [3], [ReusedSlots(3, 0, prefix_slots.tobytes())]),
-        all_positions=True)
+        all_positions=True,
+    )
     assert rel_err(out, hf_logits(hf, ids.tolist())[41:]) < 1e-4
 
 
@@ -100,8 +108,9 @@ def test_batch_of_four_equals_each_alone(setup):
         # graphs' output on the GPU).
         alone.append(runner.compute_logits(batch([5], [0], [ids], [SlotPool(20 + i).take(len(ids))], [5]))[0].clone())
     pool = SlotPool(30)
-    together = runner.compute_logits(batch([1, 2, 3, 4], [0] * 4, prompts, [pool.take(n) for n in lengths],
-                                           [1, 2, 3, 4]))
+    together = runner.compute_logits(
+        batch([1, 2, 3, 4], [0] * 4, prompts, [pool.take(n) for n in lengths], [1, 2, 3, 4])
+    )
     for i in range(4):
         assert rel_err(together[i], alone[i]) < 1e-5
 
@@ -120,10 +129,14 @@ def test_mixed_batch_of_extends_and_decodes(setup, decode_last):
     if decode_last:
         entries = entries[2:] + entries[:2]
     rows, prefixes, chunks = zip(*entries)
-    out = runner.compute_logits(batch(list(rows), list(prefixes), list(chunks), [pool.take(len(c)) for c in chunks],
-                                      [7]))
-    expected = {6: hf_logits(hf, long_ids[0].tolist())[-1], 8: hf_logits(hf, long_ids[1].tolist())[-1],
-                7: hf_logits(hf, fresh.tolist())[-1]}
+    out = runner.compute_logits(
+        batch(list(rows), list(prefixes), list(chunks), [pool.take(len(c)) for c in chunks], [7])
+    )
+    expected = {
+        6: hf_logits(hf, long_ids[0].tolist())[-1],
+        8: hf_logits(hf, long_ids[1].tolist())[-1],
+        7: hf_logits(hf, fresh.tolist())[-1],
+    }
     for i, row in enumerate(rows):
         assert rel_err(out[i], expected[row]) < 1e-4, row
 

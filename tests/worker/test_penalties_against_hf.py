@@ -42,8 +42,9 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def reference_greedy(model, prompt_ids: list[int], frequency_penalty=0.0, presence_penalty=0.0,
-                     repetition_penalty=1.0) -> list[int]:
+def reference_greedy(
+    model, prompt_ids: list[int], frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0
+) -> list[int]:
     seen = torch.zeros(model.config.vocab_size, dtype=torch.bool)
     seen[torch.tensor(prompt_ids)] = True
     counts = torch.zeros(model.config.vocab_size, dtype=torch.float64)
@@ -72,15 +73,17 @@ def engine_results(model_dir):
     share steps, so per-row state mix-ups show as well."""
     cases = [(prompt, penalty) for prompt in PROMPTS for penalty in [{}] + PENALTIES]
     with Engine(model_dir, device="cpu", max_total_tokens=2048) as engine:
-        params = [SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True, **penalty)
-                  for _, penalty in cases]
+        params = [
+            SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW, ignore_eos=True, **penalty) for _, penalty in cases
+        ]
         results = engine.generate([prompt for prompt, _ in cases], params)
         prompt_ids = {prompt: engine.tokenizer.encode(prompt) for prompt in PROMPTS}
         info = engine.server_info()
     assert info["kv_invariant_ok"] and info["num_running"] == 0 and info["num_waiting"] == 0
     assert info["kv_free"] + info["kv_evictable"] == info["kv_total"]
-    return {(prompt, tuple(sorted(penalty.items()))): r.token_ids for (prompt, penalty), r in zip(cases, results)}, \
-        prompt_ids
+    return {
+        (prompt, tuple(sorted(penalty.items()))): r.token_ids for (prompt, penalty), r in zip(cases, results)
+    }, prompt_ids
 
 
 def test_unpenalised_greedy_repeats_tokens(hf_model, engine_results):

@@ -22,16 +22,23 @@ def mixed_batch(vocab: int, seed: int = 0, lengths=(37, 21)) -> ForwardBatch:
     rng = np.random.default_rng(seed)
     chunks = [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
     rows = list(range(1, len(lengths) + 1))
-    return ForwardBatch(step=0, req_pool_indices=pack_i32(rows), prefix_lens=pack_i32([0] * len(rows)),
-                        extend_lens=pack_i32(lengths), input_ids=pack_i32(np.concatenate(chunks)),
-                        out_cache_loc=pack_i32(np.arange(1, sum(lengths) + 1, dtype=np.int32)),
-                        sample_mask=bytes([1] * len(rows)), new_requests=[WorkerRequest(r, GREEDY) for r in rows])
+    return ForwardBatch(
+        step=0,
+        req_pool_indices=pack_i32(rows),
+        prefix_lens=pack_i32([0] * len(rows)),
+        extend_lens=pack_i32(lengths),
+        input_ids=pack_i32(np.concatenate(chunks)),
+        out_cache_loc=pack_i32(np.arange(1, sum(lengths) + 1, dtype=np.int32)),
+        sample_mask=bytes([1] * len(rows)),
+        new_requests=[WorkerRequest(r, GREEDY) for r in rows],
+    )
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_pieces_in_turn_equal_the_forward(arch):
-    runner = ModelRunner(ServerArgs(device="cpu", dtype="float32", max_total_tokens=512, max_running_requests=4),
-                         tiny_model_dir(arch))
+    runner = ModelRunner(
+        ServerArgs(device="cpu", dtype="float32", max_total_tokens=512, max_running_requests=4), tiny_model_dir(arch)
+    )
     inputs = runner.prepare(mixed_batch(runner.model_config.vocab_size))
     whole = runner.run_model(inputs).clone()
     model = runner.model.model
@@ -61,8 +68,9 @@ def test_token_buckets_cover_every_size_with_bounded_padding():
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("lengths", [(37, 21), (45,)])  # pieces with attention between; a lone chunk's whole graph
 def test_prefill_graphs_replay_what_the_eager_forward_computes(arch, lengths):
-    args = dict(device="cuda", dtype="float32", max_total_tokens=2048, max_running_requests=4,
-                prefill_cuda_graph_max_tokens=256)
+    args = dict(
+        device="cuda", dtype="float32", max_total_tokens=2048, max_running_requests=4, prefill_cuda_graph_max_tokens=256
+    )
     graphs = ModelRunner(ServerArgs(**args), tiny_model_dir(arch))
     eager = ModelRunner(ServerArgs(**args, disable_prefill_cuda_graph=True), tiny_model_dir(arch))
     assert graphs.prefill_graphs is not None and eager.prefill_graphs is None

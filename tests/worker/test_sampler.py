@@ -104,6 +104,7 @@ def test_logprobs_are_of_the_raw_distribution():
 
 def test_inverse_cdf_draws_match_the_distribution_and_never_a_zero_probability_token():
     from radixserve.layers.sampler import _inverse_cdf_sample
+
     torch.manual_seed(0)
     p = torch.tensor([0.0, 0.5, 0.0, 0.3, 0.2, 0.0])
     draws = _inverse_cdf_sample(p.repeat(40_000, 1), torch.rand(40_000))

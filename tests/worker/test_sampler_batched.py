@@ -30,8 +30,9 @@ def row_by_row(logits: torch.Tensor, state: SamplingRequestState) -> torch.Tenso
         counts = state.output_counts.float()
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
     if state.seen_mask is not None:
-        row = torch.where(state.seen_mask, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty),
-                          row)
+        row = torch.where(
+            state.seen_mask, torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty), row
+        )
     return row
 
 
@@ -43,8 +44,12 @@ def test_batched_logit_changes_match_each_row_alone():
         (SamplingParams(temperature=0.0, frequency_penalty=0.7, presence_penalty=-0.4), [5, 5, 6, 9]),
         (SamplingParams(temperature=0.0, repetition_penalty=1.6), [1, 2]),
         (SamplingParams(temperature=0.0, min_new_tokens=4, stop_token_ids=[7, 8]), [4]),
-        (SamplingParams(temperature=0.0, logit_bias={2: 5.0, 30: -2.5}, frequency_penalty=1.5,
-                        repetition_penalty=0.5), [2, 2, 30]),
+        (
+            SamplingParams(
+                temperature=0.0, logit_bias={2: 5.0, 30: -2.5}, frequency_penalty=1.5, repetition_penalty=0.5
+            ),
+            [2, 2, 30],
+        ),
         (SamplingParams(temperature=0.0, min_new_tokens=9, ignore_eos=True, logit_bias={11: 1.0}), [11]),
     ]
     states = [make_state(p, outputs, prompt=[0, 1, 2]) for p, outputs in cases]

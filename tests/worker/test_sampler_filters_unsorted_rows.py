@@ -59,8 +59,9 @@ def state(params: SamplingParams) -> SamplingRequestState:
 
 def test_reference_is_not_trivial():
     # The premise: the cases cut the distribution in different places, and the logits are far from sorted.
-    supports = {tuple(reference_distribution(LOGITS, SamplingParams(**kw)).nonzero().flatten().tolist())
-                for kw in ROW_PARAMS}
+    supports = {
+        tuple(reference_distribution(LOGITS, SamplingParams(**kw)).nonzero().flatten().tolist()) for kw in ROW_PARAMS
+    }
     assert len(supports) >= 6
     assert not torch.equal(LOGITS.argsort(descending=True), torch.arange(VOCAB))
 
@@ -86,8 +87,9 @@ def test_mixed_batch_of_unsorted_rows_matches_the_reference():
         # frequency by far more, chance by 5 sigma almost never.
         sigma = torch.sqrt(expected * (1 - expected) / repeats)
         worst = float(((freq - expected).abs() - 5 * sigma - 1e-3).max())
-        assert worst <= 0, (f"row {r} ({ROW_PARAMS[r]}): frequencies {freq.numpy().round(3)} vs reference "
-                            f"{expected.numpy().round(3)}")
+        assert worst <= 0, (
+            f"row {r} ({ROW_PARAMS[r]}): frequencies {freq.numpy().round(3)} vs reference {expected.numpy().round(3)}"
+        )
 
 
 def test_seeded_rows_ignore_their_neighbours_parameters():

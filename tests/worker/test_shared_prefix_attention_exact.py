@@ -43,8 +43,7 @@ def chat_prompts(n=12, seed=0):
 
 def params_for(prompts, seed=1):
     rng = np.random.default_rng(seed)
-    return [SamplingParams(temperature=0.0, max_new_tokens=int(rng.integers(5, 11)), ignore_eos=True)
-            for _ in prompts]
+    return [SamplingParams(temperature=0.0, max_new_tokens=int(rng.integers(5, 11)), ignore_eos=True) for _ in prompts]
 
 
 def assert_idle_and_clean(engine):
@@ -65,14 +64,17 @@ def plain_outputs(model_dir):
     return prompts, [r.token_ids for r in results]
 
 
-@pytest.mark.parametrize("config", [
-    dict(),  # radix cache on, mixed batches, default chunk, overlapped step loop
-    dict(disable_overlap_schedule=True),
-    dict(chunked_prefill_size=7),
-    dict(chunked_prefill_size=-1),
-    dict(disable_mixed_batch=True, chunked_prefill_size=7),
-    dict(max_total_tokens=160, chunked_prefill_size=16, init_new_token_ratio=0.05, min_new_token_ratio=0.01),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(),  # radix cache on, mixed batches, default chunk, overlapped step loop
+        dict(disable_overlap_schedule=True),
+        dict(chunked_prefill_size=7),
+        dict(chunked_prefill_size=-1),
+        dict(disable_mixed_batch=True, chunked_prefill_size=7),
+        dict(max_total_tokens=160, chunked_prefill_size=16, init_new_token_ratio=0.05, min_new_token_ratio=0.01),
+    ],
+)
 def test_grouped_decodes_give_the_plain_tokens(model_dir, plain_outputs, config):
     prompts, expected = plain_outputs
     engine = make_engine(model_dir, **config)
@@ -127,8 +129,11 @@ def test_group_prefixes_are_the_members_own_and_stay_locked(model_dir, plain_out
                     assert not scheduled.prefills[m], "only decodes are grouped"
                     assert torch.equal(table[req.req_pool_idx, :prefix_len], prefix)
                     assert unpack_i32(groups.req_suffix_start)[m] == prefix_len < req.kv_len + 1
-                node = next(n for n in node_path(scheduled.reqs[members[0]].last_node)
-                            if sum(len(a) for a in node_path(n)) == prefix_len)
+                node = next(
+                    n
+                    for n in node_path(scheduled.reqs[members[0]].last_node)
+                    if sum(len(a) for a in node_path(n)) == prefix_len
+                )
                 assert node.lock_ref >= len(members)
                 checked_groups += 1
         s.process_results(scheduled, sampled)
@@ -154,7 +159,7 @@ def test_aborts_among_grouped_decodes(model_dir, plain_outputs):
     assert_idle_and_clean(engine)
     for req, tokens in zip(reqs, expected):
         if req.rid in aborted:
-            assert req.finish_reason == "abort" and req.output_ids == tokens[:len(req.output_ids)]
+            assert req.finish_reason == "abort" and req.output_ids == tokens[: len(req.output_ids)]
         else:
             assert req.output_ids == tokens
 
@@ -164,9 +169,11 @@ def test_tensor_parallel_ranks_share_the_group_tables(model_dir, plain_outputs):
     """The multi-process Engine, two ranks (gloo): the tables cross the socket with each batch, every rank splits
     its heads over the same groups, and /server_info counts the grouped decodes."""
     from radixserve.engine import Engine
+
     prompts, expected = plain_outputs
-    with Engine(str(model_dir), device="cpu", max_total_tokens=4096, tp_size=2,
-                shared_prefix_min_tokens=MIN_TOKENS) as engine:
+    with Engine(
+        str(model_dir), device="cpu", max_total_tokens=4096, tp_size=2, shared_prefix_min_tokens=MIN_TOKENS
+    ) as engine:
         assert [r.token_ids for r in engine.generate(prompts, params_for(prompts))] == expected
         info = engine.server_info()
         assert info["grouped_decodes"] > 0 and info["shared_prefix_tokens_saved"] > 0 and info["kv_invariant_ok"]
@@ -176,31 +183,54 @@ def test_padded_group_table_of_a_cuda_graph_gives_the_same_attention():
     """The grouped CUDA graph replays with its bucket's shape: empty groups and ungrouped requests pad the table.
     Through the torch twin, the padded table, the unpadded one and plain decode attention agree (fp32)."""
     from radixserve.protocol import PrefixGroups, pack_i32
+
     torch.manual_seed(0)
     hq, hkv, d, slots, ctx = 4, 2, 16, 512, 64
     k_cache, v_cache = torch.randn(slots, hkv, d), torch.randn(slots, hkv, d)
     seq_lens = torch.tensor([30, 50, 45, 21, 60, 33], dtype=torch.int32)
-    req_to_token = torch.randperm(slots)[:8 * ctx].reshape(8, ctx).to(torch.int32)
+    req_to_token = torch.randperm(slots)[: 8 * ctx].reshape(8, ctx).to(torch.int32)
     rows = torch.tensor([1, 2, 3, 4, 5, 6], dtype=torch.int32)
     req_to_token[3, :20] = req_to_token[1, :20]  # requests 0 and 2 share 20 tokens
     req_to_token[[4, 6], :17] = req_to_token[2, :17]  # requests 1, 3 and 5 share 17
-    groups = PrefixGroups(pack_i32([20, 17]), pack_i32([1, 2]), pack_i32([-1, 0, 1, 0, 1, -1, 1]),
-                          pack_i32([0, 20, 17, 20, 17, 0, 17]))  # batch index 0 is a prefill
+    groups = PrefixGroups(
+        pack_i32([20, 17]), pack_i32([1, 2]), pack_i32([-1, 0, 1, 0, 1, -1, 1]), pack_i32([0, 20, 17, 20, 17, 0, 17])
+    )  # batch index 0 is a prefill
     q = torch.randn(6, hq, d)
     plain = torch.empty_like(q)
     kernels.decode_attention(q, k_cache, v_cache, plain, req_to_token, rows, seq_lens, 0.25, ctx)
     for num_groups, bs in [(None, None), (max_groups(8), 8)]:
         flat, max_prefix, max_size = pack_decode_groups(groups, 1, num_groups, bs, slices=lambda *real: 2)
         bs = bs or 6
-        g = DecodeGroups.view(torch.from_numpy(flat), num_groups or 2, bs, ctx if num_groups else max_prefix,
-                              bs if num_groups else max_size, 4)
+        g = DecodeGroups.view(
+            torch.from_numpy(flat),
+            num_groups or 2,
+            bs,
+            ctx if num_groups else max_prefix,
+            bs if num_groups else max_size,
+            4,
+        )
         assert g.prefix_splits.tolist() == [2]  # the step's slicing travels in the table
         pad = bs - 6  # padding requests read row 0 with one token, as DecodeCudaGraphs pads them
         o = torch.empty(bs, hq, d)
         kernels.decode_attention_grouped(
-            torch.cat([q, torch.randn(pad, hq, d)]), k_cache, v_cache, o, req_to_token,
+            torch.cat([q, torch.randn(pad, hq, d)]),
+            k_cache,
+            v_cache,
+            o,
+            req_to_token,
             torch.cat([rows, torch.zeros(pad, dtype=torch.int32)]),
             torch.cat([seq_lens, torch.ones(pad, dtype=torch.int32)]),
-            g.prefix_lens, g.prefix_rows, g.member_start, g.members, g.req_group, g.req_suffix_start, 0.25, ctx,
-            g.max_prefix_len, g.max_group_size, prefix_splits=g.prefix_splits, max_prefix_splits=g.max_prefix_splits)
+            g.prefix_lens,
+            g.prefix_rows,
+            g.member_start,
+            g.members,
+            g.req_group,
+            g.req_suffix_start,
+            0.25,
+            ctx,
+            g.max_prefix_len,
+            g.max_group_size,
+            prefix_splits=g.prefix_splits,
+            max_prefix_splits=g.max_prefix_splits,
+        )
         torch.testing.assert_close(o[:6], plain, atol=1e-5, rtol=1e-5)

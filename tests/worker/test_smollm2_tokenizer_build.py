@@ -19,8 +19,10 @@ from radixserve.testing.smollm2 import _write_tokenizer
 REPO = Path(__file__).resolve().parents[2]
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>"]
 MERGES = ["Ġ t", "h e", "Ġt he", "l l", "he ll"]  # gives "Ġthe" and "hell"
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def write_gguf(path: Path, bos: int = 1, eos: int = 2) -> None:
@@ -70,8 +72,11 @@ def test_built_without_transformers(tmp_path):
     assert tok.decode(encoding.ids, skip_special_tokens=False) == "<|im_start|>the hell 42<|im_end|>"
     assert tok.decode(encoding.ids) == "the hell 42"  # specials are special
     config = json.loads((out / "tokenizer_config.json").read_text())
-    assert (config["bos_token"], config["eos_token"], config["pad_token"]) == ("<|im_start|>", "<|im_end|>",
-                                                                              "<|im_end|>")
+    assert (config["bos_token"], config["eos_token"], config["pad_token"]) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|im_end|>",
+    )
     assert config["chat_template"] == TEMPLATE == (out / "chat_template.jinja").read_text()
     assert config["add_bos_token"] is False
 
@@ -83,8 +88,9 @@ def test_loads_in_transformers_with_chatml_specials_and_template(tmp_path):
     _write_tokenizer(tmp_path / "t.gguf", tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.eos_token_id) == ("<|im_start|>", "<|im_end|>", 2)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "the 7"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "the 7"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|im_start|>user\nthe 7<|im_end|>\n<|im_start|>assistant\n"
     ids = tokenizer(text)["input_ids"]
     assert ids[0] == 1 and tokenizer.decode(ids) == text  # no BOS added, exact round trip (no space clean-up)

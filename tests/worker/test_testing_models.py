@@ -81,8 +81,9 @@ def test_smollm2_tokenizer(smollm2_path):
     assert tokenizer.eos_token_id == 2
     ids = tokenizer("In 2024, Paris")["input_ids"]
     assert tokenizer.convert_ids_to_tokens(ids) == ["In", "Ġ", "2", "0", "2", "4", ",", "ĠParis"]  # no BOS added
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
-                                           tokenize=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False
+    )
     assert prompt.startswith("<|im_start|>system\n")
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
@@ -96,9 +97,10 @@ def test_smollm2_answers_capital_of_france_with_paris(smollm2_path):
     model = AutoModelForCausalLM.from_pretrained(smollm2_path, dtype=torch.float32)
     input_ids = _chat_input_ids(tokenizer, "What is the capital of France?")
     with torch.no_grad():
-        output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=16,
-                                do_sample=False)
-    answer = tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
+        output = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=16, do_sample=False
+        )
+    answer = tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
     assert "Paris" in answer, answer
 
 
@@ -152,9 +154,12 @@ def test_tiny_model_loads_in_hf_with_varied_logits(arch):
     assert logits.argmax(-1).unique().numel() > input_ids.shape[1] // 2
     with torch.no_grad():
         generated = model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=24, do_sample=False,
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=24,
+            do_sample=False,
             min_new_tokens=24,
-        )[0, input_ids.shape[1]:]
+        )[0, input_ids.shape[1] :]
     assert generated.unique().numel() >= 12, generated.tolist()
 
 
@@ -249,9 +254,11 @@ def test_dummy_configs_match_the_published_shapes(name, non_embedding_params_bil
     hidden, head_dim, layers = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
     q_size, kv_size = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
     per_layer = (
-        hidden * (q_size + 2 * kv_size) + q_size * hidden  # q, k, v, o projections
+        hidden * (q_size + 2 * kv_size)
+        + q_size * hidden  # q, k, v, o projections
         + 3 * hidden * c["intermediate_size"]  # gate, up, down
-        + 2 * hidden + 2 * head_dim  # two RMSNorms + q/k norms
+        + 2 * hidden
+        + 2 * head_dim  # two RMSNorms + q/k norms
     )
     non_embedding = layers * per_layer + hidden  # + final norm
     assert round(non_embedding / 1e9, 2) == non_embedding_params_billion
@@ -261,7 +268,8 @@ def test_dummy_config_dir_with_and_without_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setenv(_cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
     bare = dummy_config_dir("Qwen3-8B")
     assert sorted(p.name for p in bare.iterdir() if not p.name.startswith(".")) == [
-        "config.json", "generation_config.json"
+        "config.json",
+        "generation_config.json",
     ]
     assert json.loads((bare / "config.json").read_text()) == dummy_config_json("qwen3-8b")
     assert json.loads((bare / "generation_config.json").read_text())["eos_token_id"] == [151645, 151643]
@@ -357,7 +365,10 @@ def test_build_cached_dir_across_processes_builds_once(tmp_path):
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _CONCURRENT_BUILDER, str(tmp_path), str(log)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
         )
         for _ in range(3)
     ]
@@ -379,8 +390,9 @@ def test_tiny_model_with_the_qwen3_tokenizer():
     assert config["vocab_size"] == 151936 and config["eos_token_id"] == 151645
     tokenizer = AutoTokenizer.from_pretrained(d)
     assert tokenizer.convert_tokens_to_ids(["<|im_end|>", "<think>"]) == [151645, 151667]
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                         add_generation_prompt=True, enable_thinking=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True, enable_thinking=False
+    )
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     model = AutoModelForCausalLM.from_pretrained(d)
     assert model.get_input_embeddings().weight.shape == (151936, 64)

@@ -1,0 +1,247 @@
+"""The device side of kernels/triton_attention.py: the split-KV decode kernels (a split's partial, then the merge of a
+row's partials) and the extend kernel (a prefix through req_to_token, then causal over the new tokens). The launches,
+block configs and split policy are in triton_attention.py; what the kernels share is in kernels/triton_common.py."""
+
+import triton.language as tl
+
+from kernels.triton_common import attend_table_range, jit, load_rows, merge_partials_block, online_softmax_block
+
+
+# The split count is a runtime int: it follows the batch size and the longest context, and a constexpr here made
+# every new pair a compile in the middle of serving (bench/kernel_variants.py).
+@jit(do_not_specialize=["num_splits"], unaligned=["Req_pool_indices", "Seq_lens"])
+def _decode_split_kernel(
+    Q,
+    K_cache,
+    V_cache,
+    Req_to_token,
+    Req_pool_indices,
+    Seq_lens,
+    Mid_o,
+    Mid_lse,
+    O,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kn,
+    stride_kh,
+    stride_vn,
+    stride_vh,
+    stride_rt,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # One program = one request x one KV head x one slice of the context. All query heads of the KV
+    # head ride along as the rows of the dot, so each K/V row is read from memory once per group.
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    seq_len = tl.load(Seq_lens + req)
+    # Split length rounded to BLOCK_N so that only the last block of a request is ragged.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start >= end:
+        return  # the merge recomputes these bounds and skips this split
+
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    dims = tl.arange(0, BLOCK_D)
+    head_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        Q + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=head_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
+
+    table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    m_i, l_i, acc = attend_table_range(
+        q,
+        m_i,
+        l_i,
+        acc,
+        table,
+        start,
+        end,
+        K_cache + kv_head * stride_kh,
+        V_cache + kv_head * stride_vh,
+        stride_kn,
+        stride_vn,
+        dims,
+        dim_ok,
+        qk_scale,
+        BLOCK_N,
+        EVEN_D,
+        DOT_PRECISION,
+    )
+
+    if num_splits == 1:  # the whole context in this program: the output directly, no partials and no merge launch
+        tl.store(
+            O + req * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+            (acc / l_i[:, None]).to(O.dtype.element_ty),
+            mask=head_ok[:, None] & dim_ok[None, :],
+        )
+        return
+    out_ptr = Mid_o + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + dims[None, :]
+    tl.store(out_ptr, acc / l_i[:, None], mask=head_ok[:, None] & dim_ok[None, :])
+    tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
+
+
+@jit(do_not_specialize=["num_splits"], unaligned=["Seq_lens"])
+def _decode_merge_kernel(
+    Mid_o,
+    Mid_lse,
+    O,
+    Seq_lens,
+    stride_mob,
+    stride_moh,
+    stride_mos,
+    stride_mlb,
+    stride_mlh,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(Seq_lens + req)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    lse_base = Mid_lse + req * stride_mlb + head * stride_mlh
+    part_base = Mid_o + req * stride_mob + head * stride_moh
+    # Split 0 is never empty (seq_len >= 1), so the running max is finite after the first tile.
+    m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        splits = s0 + tl.arange(0, BLOCK_S)
+        live = (splits < num_splits) & (splits * split_len < seq_len)
+        m_i, l_i, acc = merge_partials_block(lse_base, part_base, stride_mos, splits, live, dims, dim_ok, m_i, l_i, acc)
+    tl.store(O + req * stride_ob + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)
+
+
+# num_m_blocks (the longest extend of the batch in row blocks) is a runtime int: specialised, its value 1 or a multiple
+# of 16 made a variant of its own, met or not according to the batch's makeup.
+@jit(do_not_specialize=["num_m_blocks"])
+def _extend_kernel(
+    Q,
+    K,
+    V,
+    O,
+    K_cache,
+    V_cache,
+    Req_to_token,
+    Req_pool_indices,
+    Prefix_lens,
+    Extend_lens,
+    Extend_start,
+    qk_scale,
+    num_m_blocks,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_kcn,
+    stride_kch,
+    stride_vcn,
+    stride_vch,
+    stride_rt,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # One program = one query head x BLOCK_M new tokens x one request. Heads vary fastest in launch
+    # order, so the programs in flight together share one request's K/V and find it in L2; the last
+    # row blocks (which see the most keys) are launched first so no long program is left for the tail.
+    head = tl.program_id(0)
+    m_block = num_m_blocks - 1 - tl.program_id(1)
+    req = tl.program_id(2)
+
+    extend_len = tl.load(Extend_lens + req)
+    first_row = m_block * BLOCK_M
+    if first_row >= extend_len:
+        return  # the grid is sized for the longest request of the batch
+    prefix_len = tl.load(Prefix_lens + req)
+    token0 = tl.load(Extend_start + req).to(tl.int64)
+    kv_head = head // GROUP
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+
+    rows = first_row + tl.arange(0, BLOCK_M)
+    row_ok = rows < extend_len
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = load_rows(Q + token0 * stride_qt + head * stride_qh, rows, stride_qt, dims, row_ok, dim_ok, True, EVEN_D)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # 1) Everything strictly before this query block: the cached prefix and the earlier new tokens,
+    #    all visible to every row. store_kv already put the new tokens' K/V into the cache, so one
+    #    gather through the table covers both. Whole blocks go unmasked; the ragged tail gets a mask.
+    table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
+    m_i, l_i, acc = attend_table_range(
+        q,
+        m_i,
+        l_i,
+        acc,
+        table,
+        0,
+        prefix_len + first_row,
+        K_cache + kv_head * stride_kch,
+        V_cache + kv_head * stride_vch,
+        stride_kcn,
+        stride_vcn,
+        dims,
+        dim_ok,
+        qk_scale,
+        BLOCK_N,
+        EVEN_D,
+        DOT_PRECISION,
+    )
+
+    # 2) The diagonal block, read from k/v directly: causal mask, and the request's last block may be ragged.
+    k_new = K + token0 * stride_kt + kv_head * stride_kh
+    v_new = V + token0 * stride_vt + kv_head * stride_vh
+    diag_end = tl.minimum(first_row + BLOCK_M, extend_len)
+    for n0 in range(first_row, diag_end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < extend_len
+        k = load_rows(k_new, pos, stride_kt, dims, pos_ok, dim_ok, True, EVEN_D)
+        v = load_rows(v_new, pos, stride_vt, dims, pos_ok, dim_ok, True, EVEN_D)
+        causal = (pos[None, :] <= rows[:, None]) & pos_ok[None, :]
+        m_i, l_i, acc = online_softmax_block(q, k, v, causal, m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
+
+    out = (acc / l_i[:, None]).to(O.dtype.element_ty)
+    o_ptrs = O + (token0 + rows[:, None]) * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(o_ptrs, out, mask=row_ok[:, None] & dim_ok[None, :])
