@@ -48,7 +48,7 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    token_times, usage = [], None
+    token_times, usage, last_chunk = [], None, None
     async with session.post(f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
         async for raw in response.content:  # one SSE line at a time
@@ -58,11 +58,17 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
                 usage = chunk["usage"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                token_times.append(time.perf_counter())
+            if chunk.get("choices"):
+                last_chunk = time.perf_counter()
+                if chunk["choices"][0].get("text"):
+                    token_times.append(last_chunk)
     ttft = token_times[0] - start if token_times else float("nan")
     itl = np.diff(token_times).tolist() if len(token_times) > 1 else []
-    return {"ttft": ttft, "itl": itl, "usage": usage, "end": time.perf_counter()}
+    # Per token (vLLM's TPOT): a token whose text is held back (part of a UTF-8 character; with dummy weights ~40%
+    # of tokens) sends no chunk, so the gaps between text chunks span ~1.7 tokens and are not inter-token times.
+    n = usage["completion_tokens"] if usage else 0
+    tpot = (last_chunk - token_times[0]) / (n - 1) if token_times and n > 1 else None
+    return {"ttft": ttft, "itl": itl, "tpot": tpot, "usage": usage, "end": time.perf_counter()}
 
 
 async def run_load(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
@@ -82,6 +88,7 @@ async def run_load(url: str, prompts: list[list[int]], output_len: int, concurre
         elapsed = time.perf_counter() - start
     ttfts = sorted(r["ttft"] for r in results)
     itls = [x for r in results for x in r["itl"]]
+    tpots = [r["tpot"] for r in results if r["tpot"] is not None]
     completion = sum(r["usage"]["completion_tokens"] for r in results)
     prompt_tokens = sum(r["usage"]["prompt_tokens"] for r in results)
     cached = sum((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0) for r in results)
@@ -94,6 +101,7 @@ async def run_load(url: str, prompts: list[list[int]], output_len: int, concurre
         "ttft_p99_ms": round(1e3 * ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))], 1),
         "itl_mean_ms": round(1e3 * statistics.mean(itls), 2) if itls else None,
         "itl_p99_ms": round(1e3 * float(np.percentile(itls, 99)), 2) if itls else None,
+        "tpot_mean_ms": round(1e3 * statistics.mean(tpots), 2) if tpots else None,
         "cached_prompt_share": round(cached / prompt_tokens, 3),
     }
 

@@ -124,6 +124,12 @@ class ServerArgs:
         "Build and send step N+1 only after step N's tokens are back "
         "(serial loop; by default N+1 is built while N runs).",
     )
+    spin_wait_ms: float | None = _flag(
+        None,
+        "After work, the scheduler, the workers and Engine's caller poll their sockets without sleeping for up to "
+        "this long before they block, so a message is taken at once instead of after a wake-up (default 50 on "
+        "GPU, 0 on CPU, where the cores are the model's; 0 disables).",
+    )
     disable_incremental_decode_batch: bool = _flag(
         False,
         "Rebuild every decode batch from its requests instead of "

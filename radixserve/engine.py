@@ -193,7 +193,7 @@ class Engine(EngineBase):
         from radixserve.protocol import BatchOutput
 
         while True:
-            message = self._from_scheduler.recv(timeout_ms=500)
+            message = self._from_scheduler.recv(timeout_ms=500, spin_s=self.args.spin_wait_ms / 1e3)
             if isinstance(message, BatchOutput):
                 return message.outputs
             if message is None:

@@ -76,6 +76,10 @@ def apply_rules(args: ServerArgs) -> None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.chunked_prefill_size is None:
         args.chunked_prefill_size = 8192 if args.device == "cuda" else 512
+    if args.spin_wait_ms is None:
+        args.spin_wait_ms = 50.0 if args.device == "cuda" else 0.0
+    if args.spin_wait_ms < 0:
+        raise ValueError(f"--spin-wait-ms must be >= 0 (0: no spinning), got {args.spin_wait_ms}")
     if args.layerwise_offload_chunk_size is None:
         args.layerwise_offload_chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 8192
 

@@ -49,9 +49,10 @@ class WorkerProcessesExecutor:
     """Every tensor-parallel rank gets the batch; rank 0 alone answers with the sampled tokens (all ranks hold the
     same logits, so their samplers agree)."""
 
-    def __init__(self, to_workers: list[Channel], from_workers: Channel):
+    def __init__(self, to_workers: list[Channel], from_workers: Channel, spin_s: float = 0.0):
         self.to_workers = to_workers
         self.from_workers = from_workers
+        self.spin_s = spin_s  # --spin-wait-ms: a step's tokens are polled for, not slept on, for up to this long
         self._in_flight: deque[int] = deque()  # step numbers, oldest first
 
     def launch(self, batch: ForwardBatch) -> None:
@@ -62,7 +63,7 @@ class WorkerProcessesExecutor:
     def collect(self) -> SampledTokens:
         step = self._in_flight.popleft()
         while True:
-            reply = self.from_workers.recv()
+            reply = self.from_workers.recv(spin_s=self.spin_s)
             if isinstance(reply, SampledTokens) and reply.step == step:
                 return reply
             logger.warning("unexpected message from workers while waiting for step %d: %r", step, reply)

@@ -74,7 +74,13 @@ class SchedulerProcess:
             num_layers=model_config.num_layers,
         )
         # Overlapped unless --disable-overlap-schedule: step N+1 goes out before step N's tokens are applied.
-        self.loop = make_step_loop(self.scheduler, WorkerProcessesExecutor(self.to_workers, self.from_workers))
+        spin_s = args.spin_wait_ms / 1e3
+        executor = WorkerProcessesExecutor(self.to_workers, self.from_workers, spin_s)
+        self.loop = make_step_loop(self.scheduler, executor)
+        # --spin-wait-ms: the first wait for requests after a step polls without sleeping for up to spin_s (a
+        # request that follows a finished one is taken at once); an idle scheduler sleeps in the poll.
+        self.spin_s = spin_s
+        self.spin_next_wait = False
         self.cache_control = CacheControl(self.scheduler, args.max_pinned_tokens)  # pinned prefixes
         self.last_invariant_check = 0.0
         self.invariant_ok = True
@@ -107,12 +113,17 @@ class SchedulerProcess:
                 self._report_cache_events()  # before the outputs: a request's end must not precede its prefix
                 self._send_outputs(outputs)
                 progress.end()
+                self.spin_next_wait = True
             else:
                 self._check_invariant_at_idle()
             self.cache_control.expire()  # pins past their TTL
 
     def _receive_requests(self, block: bool) -> None:
-        message = self.from_tokenizer.recv(IDLE_POLL_MS) if block else self.from_tokenizer.recv_nowait()
+        if block:
+            spin_s, self.spin_next_wait = (self.spin_s if self.spin_next_wait else 0.0), False
+            message = self.from_tokenizer.recv(IDLE_POLL_MS, spin_s)
+        else:
+            message = self.from_tokenizer.recv_nowait()
         while message is not None:
             self._handle(message)
             message = self.from_tokenizer.recv_nowait()

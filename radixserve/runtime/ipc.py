@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -69,8 +70,21 @@ class Channel(Generic[T]):
     def send(self, message) -> None:
         self.socket.send(self._encoder.encode(message), copy=False)
 
-    def recv(self, timeout_ms: int | None = None):
-        """Next message, or None after timeout_ms without one."""
+    def recv(self, timeout_ms: int | None = None, spin_s: float = 0.0):
+        """Next message, or None after timeout_ms without one. With spin_s > 0 it first polls without sleeping for
+        up to spin_s (--spin-wait-ms): measured on the H100 host, a process blocked in the kernel woke 0.1-0.25 ms
+        after its message arrived, and a lone request's first token crosses four such hops. Spun time counts
+        towards timeout_ms."""
+        if spin_s > 0:
+            deadline = time.perf_counter() + spin_s
+            while True:
+                message = self.recv_nowait()
+                if message is not None:
+                    return message
+                if time.perf_counter() >= deadline:
+                    break
+            if timeout_ms is not None:
+                timeout_ms = max(0, timeout_ms - int(spin_s * 1e3))
         if timeout_ms is not None and not self.socket.poll(timeout_ms):
             return None
         return self._decoder.decode(self.socket.recv(copy=False).buffer)

@@ -45,9 +45,12 @@ def run_worker(
     logger.info("rank %d ready: %d KV slots, context %d", rank, runner.num_kv_slots, runner.context_len)
     profiler = StepProfiler(rank)
     pipeline = StepPipeline(runner)  # (why the next forward is queued before this step is read back: there)
+    spin_s = args.spin_wait_ms / 1e3  # the next batch is polled for, not slept on, for up to this long
     while True:
         message = (
-            from_scheduler.recv() if pipeline.in_flight is None else _next_batch_while_busy(from_scheduler, pipeline)
+            from_scheduler.recv(spin_s=spin_s)
+            if pipeline.in_flight is None
+            else _next_batch_while_busy(from_scheduler, pipeline)
         )
         if message is None:  # nothing else queued: report the step in flight
             _report(pipeline.finish(), rank, to_scheduler)

@@ -40,6 +40,20 @@ def test_greedy_32_tokens_match_hf_generate(arch):
         assert result.text == engine.tokenizer.decode(result.token_ids, skip_special_tokens=True)
 
 
+def test_spin_waiting_processes_serve_the_same_tokens():
+    """--spin-wait-ms (on by default on a GPU, off on the CPU): the scheduler, worker and this caller poll their
+    sockets after work instead of sleeping on them; the tokens are the same and nothing is missed."""
+    model_dir = tiny_model_dir("llama")
+    prompts = ["The quick brown fox", "Radix trees share prefixes"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    with Engine(str(model_dir), device="cpu", max_total_tokens=2048, spin_wait_ms=20) as engine:
+        assert engine.args.spin_wait_ms == 20
+        results = [engine.generate(p, params) for p in prompts]  # one at a time: every wait starts from idle
+        results += engine.generate(prompts, params)
+    for prompt, result in zip(prompts * 2, results):
+        assert result.token_ids == hf_greedy(model_dir, engine.tokenizer.encode(prompt), 12), prompt
+
+
 @pytest.fixture(scope="module")
 def smollm2_engine():
     with Engine(str(smollm2_dir()), device="cpu", max_total_tokens=4096) as engine:

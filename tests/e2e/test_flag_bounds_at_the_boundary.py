@@ -40,6 +40,7 @@ BOUNDS = [
     ("--responses-store-size", "0", "-1", "--responses-store-size must be >= 0"),
     ("--responses-store-ttl", repr(TINY), "0", "--responses-store-ttl > 0"),
     ("--max-header-bytes", "1024", "1023", "--max-header-bytes must be >= 1024"),
+    ("--spin-wait-ms", "0", repr(-TINY), "--spin-wait-ms must be >= 0"),
     ("--port", "1", "0", "--port out of range"),
     ("--port", "65535", "65536", "--port out of range"),
 ]
