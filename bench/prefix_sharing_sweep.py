@@ -14,7 +14,6 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import replace
 
 from bench.offline_throughput import prompts_for, timed_run
 from bench.run_record import run_record
@@ -32,7 +31,7 @@ def sweep(model_dir: str, per_prefix: list[int], repeats: int) -> dict:
         with Engine(model_dir, load_format="dummy", device="cuda", max_running_requests=1024, **flags) as engine:
             for name, base in WORKLOADS.items():
                 for k in per_prefix:
-                    w = replace(base, per_group=k)
+                    w = base._replace(per_group=k)
                     prompts = prompts_for(w, engine.model_config.vocab_size)
                     timed_run(engine, prompts, w.output_len)  # warm-up on these shapes
                     runs = [timed_run(engine, prompts, w.output_len)["seconds"] for _ in range(repeats)]
