@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import tempfile
 import time
 
 from bench.offline_throughput import prompts_for, timed_run
@@ -91,6 +93,8 @@ def main() -> None:
         return
     import torch
 
+    # timed_run counts Triton compiles in this cache (the engine's workers inherit it): a fresh one per sweep.
+    os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="radixserve-sweep-triton-"))
     start = time.perf_counter()
     model_dir = str(dummy_config_dir(SHAPES.get(ns.config, ns.config), ns.tokenizer))
     result = {
