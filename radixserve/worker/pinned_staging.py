@@ -27,6 +27,9 @@ class PinnedStaging:
             else []
         )
         self._copied: list[torch.cuda.Event | None] = [None] * len(self._buffers)
+        # One event per buffer, recorded again at each copy out of it: creating one costs ~13 us of host time on the
+        # H100 machine, a step's critical path when nothing overlaps it (a lone request's first token).
+        self._events = [torch.cuda.Event() for _ in self._buffers]
         self._next = 0
         self._last = 0
 
@@ -82,6 +85,6 @@ class PinnedStaging:
         return staged
 
     def _record(self) -> None:
-        event = torch.cuda.Event()
+        event = self._events[self._last]
         event.record()
         self._copied[self._last] = event
