@@ -25,10 +25,10 @@ def unpack_i32(data: bytes) -> np.ndarray:
 class ReusedSlots(msgspec.Struct, array_like=True):
     """Tokens a request holds without computing them this step: req_to_token[req_pool_idx, start:start+len(slots)]
     = slots. A cached prefix at admission, or a range re-pointed at the radix tree's copy after another request
-    inserted the same tokens first (the duplicates were freed). The worker applies these after the new tokens'
+    inserted the same tokens first (the duplicates were freed). The worker applies these with the new tokens'
     slots (out_cache_loc), in the same single write of req_to_token. source >= 0: the same start and slots as the
     batch's reused_slots[source] (slots empty here): a burst of requests over one cached system prompt sends its
-    slots once, not once per request."""
+    slots once, not once per request, and the worker copies that row's range on the device (batch_writes)."""
 
     req_pool_idx: int
     start: int

@@ -11,6 +11,7 @@ import numpy as np
 
 from radixserve.cache.host_tier import HostTier
 from radixserve.cache.radix_cache import RadixCache
+from radixserve.cache.tree_node import TreeNode
 from radixserve.cache.slot_allocator import ReqPoolAllocator, TokenSlotAllocator
 from radixserve.config import ServerArgs
 from radixserve.protocol import ReusedSlots
@@ -84,7 +85,13 @@ class Admission:
         ordered = order_waiting_queue(self.waiting, self.tree, self.args, step)
         # Prompts being computed right now (not yet whole in the tree) that a waiting request could share.
         # (Only a tenant's own prompts: another cache_salt's can never be shared, and waiting on it would leak.)
+        # Those admitted below are looked up by (salt, cached length, the token after it) instead: one that shares more
+        # than its cached prefix with this one matched exactly as far (the tree only loses tokens during admission,
+        # and what it matched is locked), so only those can. The others (running already, echoing prompt logprobs,
+        # any with a host tier, whose loads add tokens) are each compared.
         admitted_fills = [(r.cache_salt, r.fill_ids()) for r in self.running if not r.is_decoding]
+        ended_at: dict[tuple, list[np.ndarray]] = {}
+        sent_at: dict[TreeNode, int] = {}  # a node -> the index in reused of the first cached prefix ending there
         # Slots that running requests will still need for their outputs, discounted by the observed ratio.
         ratio = self.new_token_ratio.value
         reserved = sum(min(r.remaining_new_tokens, self.context_len) for r in self.running) * ratio
@@ -104,10 +111,11 @@ class Admission:
             if self.host_tier is not None:  # more of the prompt kept in host memory comes back by a copy, not compute
                 match = self.host_tier.load(fill[:matchable], match, req.cache_salt, req.priority, reserve=committed)
             prefix_len = len(match.slots)
+            key = (req.cache_salt, prefix_len, int(fill[prefix_len]))
             if matchable and self._shares_prefix_with(
                 fill,
                 prefix_len,  # (nothing to share without a match)
-                [f for s, f in admitted_fills if s == req.cache_salt],
+                [f for s, f in admitted_fills if s == req.cache_salt] + ended_at.get(key, []),
             ):
                 continue  # wait one step and reuse that request's prefix from the tree instead of recomputing it
             n = min(len(fill) - prefix_len, budget)
@@ -119,10 +127,19 @@ class Admission:
                 self.tree.dec_lock_ref(match.last_node)
                 break
             self._start(req, match)
-            if prefix_len:
-                reused.append(ReusedSlots(req.req_pool_idx, 0, match.slots.tobytes()))
+            if prefix_len:  # (prefixes that end at one node hold the same slots: sent once, see ReusedSlots)
+                first = sent_at.setdefault(match.last_node, len(reused))
+                row = req.req_pool_idx
+                reused.append(
+                    ReusedSlots(row, 0, match.slots.tobytes())
+                    if first == len(reused)
+                    else ReusedSlots(row, 0, b"", first)
+                )
             admitted.append((req, n))
-            admitted_fills.append((req.cache_salt, fill))
+            if matchable and self.host_tier is None:
+                ended_at.setdefault(key, []).append(fill)
+            else:
+                admitted_fills.append((req.cache_salt, fill))
             budget -= n
             committed += n
             available -= need

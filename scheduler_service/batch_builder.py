@@ -53,10 +53,16 @@ def worker_request(req: Req) -> WorkerRequest:
 
 
 def shared_once(reused: list[ReusedSlots]) -> list[ReusedSlots]:
-    """The batch's reused ranges with each distinct (start, slots) sent once; the others refer to it by index."""
+    """The batch's reused ranges with each distinct (start, slots) sent once; the others refer to it by index (the
+    range it names sent with its slots: admission refers to a prefix it sent already, and stays so)."""
     first: dict[tuple[int, bytes], int] = {}
     out = []
     for i, r in enumerate(reused):
+        if r.source >= 0:
+            out.append(
+                r if out[r.source].source < 0 else ReusedSlots(r.req_pool_idx, r.start, b"", out[r.source].source)
+            )
+            continue
         source = first.setdefault((r.start, r.slots), i)
         out.append(r if source == i else ReusedSlots(r.req_pool_idx, r.start, b"", source))
     return out

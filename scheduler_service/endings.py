@@ -56,9 +56,10 @@ class Endings:
         if req.offloaded:
             return self.long.release(req, insert)
         if insert and not self.tree.disable:
-            # The last sampled token has no KV yet; everything before it does.
-            fill = req.fill_ids()[: req.kv_len]
-            self.tree.insert(fill, req.slots[: req.kv_len], namespace=req.cache_salt, priority=req.priority)
+            # The last sampled token has no KV yet; everything before it does. The tree holds the first tree_len
+            # tokens already (the path to last_node): only the rest goes in.
+            start, end = req.tree_len, req.kv_len
+            self.tree.insert_below(req.last_node, req.fill_ids()[start:end], req.slots[start:end], req.priority)
         elif insert:
             self.slot_allocator.free(req.slots[: req.kv_len])
         else:

@@ -199,15 +199,17 @@ class ResultProcessor:
         point the request at the tree's own slots (another request may have inserted the same tokens first)."""
         if self.tree.disable:
             return
-        fill = req.fill_ids()[: req.kv_len]
-        self.tree.insert(fill, req.slots[: req.kv_len], namespace=req.cache_salt, priority=req.priority)
-        match = self.tree.match_prefix(fill, namespace=req.cache_salt, priority=req.priority, record_hit=False)
+        # What the tree holds already (slots[:tree_len], the path to last_node) is not walked again.
+        start, end = req.tree_len, req.kv_len
+        ours = req.slots[start:end]
+        match = self.tree.insert_below(req.last_node, req.fill_ids()[start:end], ours, priority=req.priority)
         self.tree.inc_lock_ref(match.last_node)  # the request's lock moves down to the node it now ends at
         self.tree.dec_lock_ref(req.last_node)
         req.last_node = match.last_node
-        changed = np.flatnonzero(match.slots != req.slots[: req.kv_len])
+        changed = np.flatnonzero(match.slots != ours)
         if len(changed):
             lo, hi = int(changed[0]), int(changed[-1]) + 1
-            req.slots[lo:hi] = match.slots[lo:hi]
-            self._reused_slots.append((req, ReusedSlots(req.req_pool_idx, lo, match.slots[lo:hi].tobytes())))
-        req.tree_len = req.kv_len
+            ours[lo:hi] = match.slots[lo:hi]
+            reused = ReusedSlots(req.req_pool_idx, start + lo, match.slots[lo:hi].tobytes())
+            self._reused_slots.append((req, reused))
+        req.tree_len = end

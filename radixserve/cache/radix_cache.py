@@ -131,17 +131,38 @@ class RadixCache:
         (another request computed and inserted the same tokens meanwhile). The caller's slots for
         the new remainder become the tree's. Either way the caller no longer owns any of `slots`.
         """
-        tokens = np.asarray(tokens, dtype=np.int32)
-        slots = np.asarray(slots, dtype=np.int32)
-        if len(tokens) != len(slots):
-            raise ValueError(f"insert: {len(tokens)} tokens but {len(slots)} slots")
-        if self.disable:
+        tokens, slots = _token_slot_arrays(tokens, slots)
+        if self.disable or len(tokens) == 0:
             self.allocator.free(slots)
             return 0
-        if len(tokens) == 0:
-            return 0
-        root = self._root(namespace)
-        path, now = self._walk(root, tokens, priority, record_hit=False)
+        return self._insert(self._root(namespace), tokens, slots, priority, EMPTY)[0]
+
+    def insert_below(self, node: TreeNode, tokens, slots, priority: int = 0) -> MatchResult:
+        """insert() of a path's continuation: node ends a cached path (held by the caller's lock) and tokens -> slots
+        follow it. The same as inserting the path's tokens + tokens with its slots + slots in node's namespace, at a
+        cost in proportion to len(tokens), not to the path's. Returns the tree's slots for tokens (its own where it
+        held them already; a fresh array) and the node ending at them."""
+        tokens, slots = _token_slot_arrays(tokens, slots)
+        if self.disable:
+            self.allocator.free(slots)
+            return MatchResult(EMPTY.copy(), node)
+        if node.parent is None:  # a namespace's root: the one registered now (a request may hold a detached one)
+            node = self._root(node.namespace)
+        path = self._insert(node, tokens, slots, priority, None)[1]
+        return MatchResult(
+            np.concatenate([n.value for n in path]) if path else EMPTY.copy(), path[-1] if path else node
+        )
+
+    def _insert(self, top: TreeNode, tokens: np.ndarray, slots: np.ndarray, priority: int, above: np.ndarray | None):
+        """Insert tokens -> slots below top, each node from the root down to top touched as if walked through.
+        above: the tokens from the root to top (None: read from the tree if the listener needs them). Returns how
+        many tokens were cached already and the path below top that now holds tokens, the new leaf included."""
+        path, now = self._walk(top, tokens, priority, record_hit=False)
+        wall, node = time.time(), top
+        while node.parent is not None:  # (the nodes a walk from the root would have touched before top)
+            node.last_access, node.last_use_time, node.priority = now, wall, max(node.priority, priority)
+            self._leaves.key_changed(node)
+            node = node.parent
         duplicates = []
         pos = 0
         for node in path:
@@ -152,18 +173,20 @@ class RadixCache:
             pos += len(node)
         already_cached = pos
         if pos < len(tokens):
-            parent = path[-1] if path else root
-            leaf = TreeNode(tokens[pos:].copy(), slots[pos:].copy(), parent, namespace)
+            parent = path[-1] if path else top
+            leaf = TreeNode(tokens[pos:].copy(), slots[pos:].copy(), parent, top.namespace)
             leaf.last_access, leaf.last_use_time, leaf.priority = now, time.time(), priority
             parent.children[int(leaf.key[0])] = leaf
             self._leaves.discard(parent)  # no longer a leaf
             self.evictable_size += len(leaf)
             self._leaves.add(leaf)
+            path.append(leaf)
             if self.listener is not None:
-                self.listener.inserted(tokens, namespace)
+                above = path_tokens(top) if above is None else above
+                self.listener.inserted(np.concatenate([above, tokens]) if len(above) else tokens, top.namespace)
         if duplicates:
             self.allocator.free(np.concatenate(duplicates))
-        return already_cached
+        return already_cached, path
 
     # ---------------------------------------------------------------- locking
 
@@ -365,3 +388,10 @@ class RadixCache:
                 if not node.children:
                     self._leaves.add(node)
             node = node.parent
+
+
+def _token_slot_arrays(tokens, slots) -> tuple[np.ndarray, np.ndarray]:
+    tokens, slots = np.asarray(tokens, dtype=np.int32), np.asarray(slots, dtype=np.int32)
+    if len(tokens) != len(slots):
+        raise ValueError(f"insert: {len(tokens)} tokens but {len(slots)} slots")
+    return tokens, slots

@@ -4,9 +4,11 @@ these tensors only hold what every ForwardBatch says."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +33,12 @@ class ReqToTokenPool:
     def flat_index(self, rows, starts, lens) -> np.ndarray:
         """Flat table index (int64) of positions starts[i] .. starts[i] + lens[i] - 1 of row rows[i], concatenated.
         Host-side numpy: the caller ships it to the device together with the step's other small arrays."""
+        rows, starts, lens = self.check_ranges(rows, starts, lens)
+        offsets = np.cumsum(lens) - lens
+        return np.repeat(rows * self.context_len + starts - offsets, lens) + np.arange(int(lens.sum()))
+
+    def check_ranges(self, rows, starts, lens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The three as int64 arrays; ValueError for a row or a position outside the table."""
         rows, starts, lens = (np.asarray(a, dtype=np.int64) for a in (rows, starts, lens))
         if len(rows):
             if rows.min() < 0 or rows.max() > self.max_running:
@@ -40,27 +48,73 @@ class ReqToTokenPool:
                     f"req_to_token write past the context length {self.context_len}: a sequence of "
                     f"{int((starts + lens).max())} tokens"
                 )
-        offsets = np.cumsum(lens) - lens
-        return np.repeat(rows * self.context_len + starts - offsets, lens) + np.arange(int(lens.sum()))
+        return rows, starts, lens
 
-    def batch_writes(self, reused_slots: list[ReusedSlots], rows, prefix_lens, extend_lens, new_slots):
-        """Every req_to_token assignment the batch implies, as (flat index, slot) arrays: the new tokens' slots at
-        prefix_len.., then the reused slots (cached prefixes, ranges re-pointed at the tree's copy). Later entries
-        win, which never matters: a step's reused ranges and new tokens do not overlap."""
+    def batch_writes(self, reused_slots: list[ReusedSlots], rows, prefix_lens, extend_lens, new_slots) -> TableWrites:
+        """Every req_to_token assignment the batch implies: the new tokens' slots at prefix_len.., then the reused
+        ranges (cached prefixes, ranges re-pointed at the tree's copy). A range sent with its slots is written by
+        the scatter; the ranges that refer to it (ReusedSlots.source: a burst of hits on one cached prompt) are a
+        copy of its row range made on the device after the scatter, so the host's work is per range, not per token.
+        A step's ranges and new tokens do not overlap, so the order never matters."""
         index = self.flat_index(rows, prefix_lens, extend_lens)
         if not reused_slots:
-            return index, new_slots
-        reused = []
-        for r in reused_slots:
-            reused.append(unpack_i32(r.slots) if r.source < 0 else reused[r.source])  # (sent once, ReusedSlots)
-        reused_index = self.flat_index(
-            [r.req_pool_idx for r in reused_slots], [r.start for r in reused_slots], [len(s) for s in reused]
+            return TableWrites(index, new_slots, NO_ROWS, ())
+        sent: dict[int, np.ndarray] = {}  # reused_slots index -> its slots, for each range sent with them
+        copied_to: dict[int, list[int]] = {}  # the same index -> the rows of the ranges that refer to it
+        for i, r in enumerate(reused_slots):
+            if r.source < 0:
+                sent[i] = unpack_i32(r.slots)
+            else:
+                source = r.source
+                while reused_slots[source].source >= 0:
+                    source = reused_slots[source].source
+                copied_to.setdefault(source, []).append(r.req_pool_idx)
+        sent_index = self.flat_index(
+            [reused_slots[i].req_pool_idx for i in sent],
+            [reused_slots[i].start for i in sent],
+            [len(s) for s in sent.values()],
         )
-        return np.concatenate([index, reused_index]), np.concatenate([new_slots, *reused])
+        index, slots = np.concatenate([index, sent_index]), np.concatenate([new_slots, *sent.values()])
+        copies, first = [], 0
+        for source, dst_rows in copied_to.items():
+            r = reused_slots[source]  # (its range is checked by flat_index above; the rows below)
+            copies.append(RowCopy(r.req_pool_idx, r.start, r.start + len(sent[source]), first, first + len(dst_rows)))
+            first += len(dst_rows)
+        copy_rows = np.fromiter(itertools.chain(*copied_to.values()), dtype=np.int64, count=first)
+        self.check_ranges(copy_rows, np.zeros_like(copy_rows), np.zeros_like(copy_rows))
+        return TableWrites(index, slots, copy_rows, tuple(copies))
 
-    def write(self, flat_index: torch.Tensor, slots: torch.Tensor) -> None:
-        """table.flat[flat_index] = slots, both on the table's device (one scatter for the whole step)."""
+    def write(
+        self, flat_index: torch.Tensor, slots: torch.Tensor, copy_rows: torch.Tensor | None = None, copies=()
+    ) -> None:
+        """table.flat[flat_index] = slots (one scatter for the whole step), then each RowCopy of TableWrites
+        (copy_rows: TableWrites.copy_rows on the table's device): one indexed copy per shared range."""
         self.table.view(-1)[flat_index] = slots
+        for c in copies:
+            self.table[copy_rows[c.first : c.last], c.start : c.end] = self.table[c.source_row, c.start : c.end]
+
+
+NO_ROWS = np.zeros(0, dtype=np.int64)
+
+
+class RowCopy(NamedTuple):
+    """req_to_token[copy_rows[first:last], start:end] = req_to_token[source_row, start:end]."""
+
+    source_row: int
+    start: int
+    end: int
+    first: int
+    last: int
+
+
+class TableWrites(NamedTuple):
+    """A step's req_to_token writes (ReqToTokenPool.batch_writes), in ReqToTokenPool.write's order: the scatter's
+    flat positions (int64) and slots (int32), the rows that copies write (int64), and the copies."""
+
+    index: np.ndarray
+    slots: np.ndarray
+    copy_rows: np.ndarray
+    copies: tuple[RowCopy, ...]
 
 
 class KVCache:

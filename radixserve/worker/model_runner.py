@@ -1,10 +1,11 @@
 """One rank's model: weights, the KV cache, the req_to_token table, and one forward + sample per ForwardBatch.
 
 req_to_token has one writer, this runner: each step it derives every assignment from the batch (the new tokens'
-slots at their positions, plus the batch's reused_slots) and writes them in one scatter before the forward. The
-scheduler decides slots but holds no table (ReqToTokenPool says why). The pools' sizes are kv_pool_size.py's, the
-sampled tokens' logprobs sampled_logprobs.py's and prompt logprobs prompt_logprobs.py's; what a step carries
-between the stages (StepInputs, SampledStep) is step_state.py's."""
+slots at their positions, plus the batch's reused_slots) and writes them in one scatter before the forward, then
+copies on the device the ranges that a burst of cache hits shares (ReqToTokenPool.batch_writes). The scheduler
+decides slots but holds no table (ReqToTokenPool says why). The pools' sizes are kv_pool_size.py's, the sampled
+tokens' logprobs sampled_logprobs.py's and prompt logprobs prompt_logprobs.py's; what a step carries between the
+stages (StepInputs, SampledStep) is step_state.py's."""
 
 from __future__ import annotations
 
@@ -210,11 +211,13 @@ class ModelRunner:
         num_extend = int(not_decode[-1]) + 1 if len(not_decode) else 0
         if num_extend == 0 and not all_positions and self.cuda_graphs is not None and self.cuda_graphs.fits(len(rows)):
             if batch.reused_slots:  # (the graph writes the new tokens' slots; ranges re-pointed at the tree here)
-                self._write_req_to_token(
-                    *self.req_to_token_pool.batch_writes(
-                        batch.reused_slots, rows[:0], prefix_lens[:0], extend_lens[:0], new_slots[:0]
-                    )
+                writes = self.req_to_token_pool.batch_writes(
+                    batch.reused_slots, rows[:0], prefix_lens[:0], extend_lens[:0], new_slots[:0]
                 )
+                (slots_t,), (index_t, copy_rows_t) = self.staging.to_device_packed(
+                    [writes.slots], [writes.index, writes.copy_rows]
+                )
+                self.req_to_token_pool.write(index_t, slots_t, copy_rows_t, writes.copies)
             return StepInputs(
                 batch,
                 rows,
@@ -233,21 +236,19 @@ class ModelRunner:
         positions = batch_positions(prefix_lens, extend_lens)
         extend_start = (np.cumsum(extend_lens) - extend_lens).astype(np.int32)
         last_index = extend_start + extend_lens - 1
-        table_index, table_slots = self.req_to_token_pool.batch_writes(
-            batch.reused_slots, rows, prefix_lens, extend_lens, new_slots
-        )
+        writes = self.req_to_token_pool.batch_writes(batch.reused_slots, rows, prefix_lens, extend_lens, new_slots)
         (
             (rows_t, prefix_t, extend_t, start_t, seq_lens_t, table_slots_t),
-            (input_ids, positions_t, table_index_t, last_index_t),
+            (input_ids, positions_t, last_index_t, table_index_t, copy_rows_t),
         ) = self.staging.to_device_packed(
-            [rows, prefix_lens, extend_lens, extend_start, seq_lens, table_slots],
-            [host_input_ids, positions, table_index, last_index],
+            [rows, prefix_lens, extend_lens, extend_start, seq_lens, writes.slots],
+            [host_input_ids, positions, last_index, writes.index, writes.copy_rows],
         )
         if (host_input_ids < 0).any():
             # Placeholders (-(index + 1)) of tokens the previous step sampled: resolved here, with no host sync.
             input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids - 1).clamp_(min=0)], input_ids)
         # Every position the kernels read goes through one table, written here (or in a decode graph) only.
-        self.req_to_token_pool.write(table_index_t, table_slots_t)
+        self.req_to_token_pool.write(table_index_t, table_slots_t, copy_rows_t, writes.copies)
         ctx = ForwardContext(
             num_extend_reqs=num_extend,
             num_extend_tokens=int(extend_lens[:num_extend].sum()),
@@ -265,11 +266,6 @@ class ModelRunner:
         return StepInputs(
             batch, rows, prefix_lens, extend_lens, extend_start, input_ids, positions_t, last_index_t, ctx
         )
-
-    def _write_req_to_token(self, table_index: np.ndarray, table_slots: np.ndarray) -> None:
-        if len(table_index):
-            (slots_t,), (index_t,) = self.staging.to_device_packed([table_slots], [table_index])
-            self.req_to_token_pool.write(index_t, slots_t)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         """The forward of a step that is not a decode graph's: hidden states of every new token, from a piecewise

@@ -313,3 +313,26 @@ def test_a_burst_over_one_cached_prompt_sends_its_slots_once():
     scheduler.process_results(scheduler_batch, loop.executor.collect())
     loop.run_until_idle()
     scheduler.check_invariant(walk_tree=True)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("salt", [None, "tenant"])
+def test_a_finished_request_leaves_its_whole_sequence_in_the_tree(overlap, salt):
+    """Prompt and outputs (less the last token, which has no KV) go into the tree under the request's own namespace
+    and with its own slots, chunk by chunk as computed and the rest when it finishes: a next turn that resends them
+    finds all of them cached, and its outputs are those of a cold run (the fake executor reads every slot)."""
+    loop = make_loop(chunked_prefill_size=16, disable_overlap_schedule=not overlap)
+    first = Req("turn1", prompts(1, seed=5)[0] + list(range(300, 340)), greedy(9))
+    first.cache_salt = salt
+    run(loop, [first])
+    s = loop.scheduler
+    sequence = np.concatenate([first.prompt_ids, first.output_ids[:-1]])
+    assert len(s.tree.match_prefix(sequence, namespace=salt).slots) == len(sequence)
+    assert len(s.tree.match_prefix(sequence, namespace="other" if salt is None else None).slots) == 0
+    follow_up = sequence.tolist() + [first.output_ids[-1], 77, 78]
+    second = Req("turn2", follow_up, greedy(6))
+    second.cache_salt = salt
+    run(loop, [second])
+    assert second.cached_tokens == len(sequence)
+    cold = run(make_loop(disable_overlap_schedule=not overlap), [Req("cold", follow_up, greedy(6))])["cold"]
+    assert second.output_ids == cold.output_ids
