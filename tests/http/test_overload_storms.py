@@ -91,6 +91,11 @@ def assert_new_request_completes(server) -> None:
 def test_disconnect_storm(server):
     rng = random.Random(15)
     outcomes: dict[str, int] = {}
+    # A client that leaves after some chunks waits, before it leaves, until half of all clients hold a stream that
+    # has started (or 5 s pass): on a loaded machine the clients' arrivals spread out, and streams that leave after
+    # a few chunks would otherwise come and go one by one, a queue rather than a storm.
+    started = {"now": 0, "peak": 0}
+    half_started = asyncio.Event()
 
     async def client(http: httpx.AsyncClient, i: int, leave_after_chunks: int) -> None:
         body = {
@@ -104,20 +109,35 @@ def test_disconnect_storm(server):
         async with http.stream("POST", "/v1/completions", json=body) as response:
             assert response.status_code == 200, await response.aread()
             chunks = 0
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                assert "error" not in event, line
-                if leave_after_chunks > DISCONNECT_MAX_TOKENS and event["choices"][0]["finish_reason"] is not None:
-                    # An impatient client (leaves after a time) whose stream was fast enough: it got all of it.
-                    assert event["choices"][0]["finish_reason"] == "length", line
-                    outcomes["finished before leaving"] = outcomes.get("finished before leaving", 0) + 1
-                    return
-                assert event["choices"][0]["finish_reason"] is None, f"a stream ended before its client left: {line}"
-                chunks += 1
-                if chunks >= leave_after_chunks:
-                    break  # leaving the block closes the connection mid-stream
+            try:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    assert "error" not in event, line
+                    if leave_after_chunks > DISCONNECT_MAX_TOKENS and event["choices"][0]["finish_reason"] is not None:
+                        # An impatient client (leaves after a time) whose stream was fast enough: it got all of it.
+                        assert event["choices"][0]["finish_reason"] == "length", line
+                        outcomes["finished before leaving"] = outcomes.get("finished before leaving", 0) + 1
+                        return
+                    assert event["choices"][0]["finish_reason"] is None, (
+                        f"a stream ended before its client left: {line}"
+                    )
+                    chunks += 1
+                    if chunks == 1:  # a stream open and started, until this client leaves
+                        started["now"] += 1
+                        started["peak"] = max(started["peak"], started["now"])
+                        if started["now"] >= DISCONNECT_CLIENTS // 2:
+                            half_started.set()
+                    if chunks >= leave_after_chunks:
+                        try:
+                            await asyncio.wait_for(half_started.wait(), 5.0)
+                        except asyncio.TimeoutError:
+                            pass
+                        break  # leaving the block closes the connection mid-stream
+            finally:  # left after its chunks, after its time (cancelled) or finished
+                if chunks:
+                    started["now"] -= 1
         outcomes["left after chunks"] = outcomes.get("left after chunks", 0) + 1
 
     async def impatient(http: httpx.AsyncClient, i: int, leave_after_s: float) -> None:
@@ -149,7 +169,8 @@ def test_disconnect_storm(server):
 
     left_at, peak = asyncio.run(storm())
     assert sum(outcomes.values()) == DISCONNECT_CLIENTS, outcomes
-    assert peak >= DISCONNECT_CLIENTS // 2, peak  # a storm, not a queue
+    assert started["peak"] >= DISCONNECT_CLIENTS // 2, started  # a storm, not a queue: half the streams open at once
+    assert peak >= DISCONNECT_CLIENTS // 4, peak  # and the scheduler held them at once (polled every 50 ms)
     assert_idle_kv_invariant(wait_until_idle(server, left_at))
     assert_new_request_completes(server)
 
