@@ -36,7 +36,9 @@ async def _generate(
     tools = ChatTools(req, ctx.args.tool_call_parser, ctx.tokenizer) if chat else None
     if chat and ctx.reasoning is not None:  # --reasoning-parser: the <think> block becomes reasoning_content
         tools = ctx.reasoning.reply(tools, prompts[0], fields)
-    prompts = build_prompts(ctx, fields, prompts, "messages" if chat else "prompt")
+    # Chat prompts and text prompts are the tokenizer's ids; only a completion's id prompts came from the client.
+    from_tokenizer = chat or isinstance(req.prompt, str) or all(isinstance(p, str) for p in req.prompt)
+    prompts = build_prompts(ctx, fields, prompts, "messages" if chat else "prompt", from_tokenizer)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     echo_texts = await _echo_texts(ctx, req, prompts) if not chat and req.echo else None

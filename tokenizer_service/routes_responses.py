@@ -163,7 +163,7 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
         )
         prompt = await turn_prompt(ctx.tokenization, chat, previous)
         fields, reply = await _chat_fields(ctx, chat, prompt)
-        prompts = build_prompts(ctx, fields, [prompt], "input")
+        prompts = build_prompts(ctx, fields, [prompt], "input", from_tokenizer=True)
         turn = Turn(
             new_id("resp"),
             int(time.time()),

@@ -72,13 +72,19 @@ class EventStreamResponse(Response):
                 ],
             }
         )
+        ended = False
         async with abort_on_disconnect(receive, self.group):
             try:
                 async for event in self.events:
-                    await send({"type": "http.response.body", "body": event, "more_body": True})
+                    # [DONE] ends every stream: it goes out with the end of the body, in one write.
+                    ended = event.endswith(SSE_DONE)
+                    await send({"type": "http.response.body", "body": event, "more_body": not ended})
+                    if ended:
+                        break
             finally:
                 await self.events.aclose()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def merge_outputs(batch: list[SequenceOutput]) -> list[SequenceOutput]:
@@ -236,19 +242,28 @@ async def openai_events(
     want_logprobs: bool,
     include_usage: bool,
 ) -> AsyncIterator[bytes]:
+    """The chunks of each wake-up as one event string (one write), the last with the usage chunk and [DONE]."""
     by_index = {seq.index: seq for seq in group.sequences}
     for chunk in stream.preamble(request_id, created, model, group, include_usage):
         yield sse(chunk)
-    async for out in merged_outputs(group):
-        if out.error is not None:
-            yield error_event(out)
-            return
-        if out.finish_reason == "abort" or not (out.text or out.finished or (want_logprobs and out.token_ids)):
-            continue
-        yield sse(stream.chunk(request_id, created, model, out, by_index[out.index], want_logprobs, include_usage))
+    finished, events = 0, []
+    async for batch in group.stream():
+        for out in merge_outputs(batch):
+            finished += out.finished
+            if out.error is not None:
+                yield b"".join(events) + error_event(out)
+                return
+            if out.finish_reason == "abort" or not (out.text or out.finished or (want_logprobs and out.token_ids)):
+                continue
+            events.append(
+                sse(stream.chunk(request_id, created, model, out, by_index[out.index], want_logprobs, include_usage))
+            )
+        if events and finished < len(by_index):  # the last batch's go out with the end of the stream
+            yield b"".join(events)
+            events = []
     if include_usage:
-        yield sse(stream.usage_chunk(request_id, created, model, group))
-    yield SSE_DONE
+        events.append(sse(stream.usage_chunk(request_id, created, model, group)))
+    yield b"".join(events) + SSE_DONE
 
 
 # ------------------------------------------------------------------------------------------- native
