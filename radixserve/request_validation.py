@@ -86,6 +86,14 @@ def check_request(
     """Everything a request must satisfy before it is queued; returns the prompt ids as a list of ints.
     kv_pool_tokens: the scheduler's total KV slots, once known (None skips that check)."""
     ids = check_prompt_ids(prompt_ids, vocab_size, param)
+    check_params_and_length(ids, params, vocab_size, context_len, kv_pool_tokens)
+    return ids
+
+
+def check_params_and_length(
+    ids: list[int], params: SamplingParams, vocab_size: int, context_len: int, kv_pool_tokens: int | None = None
+) -> None:
+    """check_request's checks after the prompt ids' own: for a front end that has checked the ids already."""
     try:
         params.validate(vocab_size)
     except ValueError as e:
@@ -93,4 +101,3 @@ def check_request(
     check_context_length(len(ids), params.max_new_tokens, context_len)
     if kv_pool_tokens is not None:
         check_kv_pool(len(ids), params.max_new_tokens, kv_pool_tokens)
-    return ids

@@ -18,13 +18,7 @@ from pydantic import ValidationError
 
 from radixserve.config import ServerArgs
 from radixserve.model_config import ModelConfig
-from radixserve.request_validation import (
-    InvalidRequest,
-    check_context_length,
-    check_kv_pool,
-    check_prompt_ids,
-    default_max_new_tokens,
-)
+from radixserve.request_validation import check_params_and_length, check_prompt_ids, default_max_new_tokens
 from radixserve.sampling import SamplingParams
 from tokenizer_service.errors import RequestError, error_for_status
 from tokenizer_service.metrics import ServerMetrics
@@ -128,14 +122,7 @@ def build_prompts(
         if max_new_tokens is None:
             max_new_tokens = default_max_new_tokens(len(ids), ctx.context_len)
         params = SamplingParams(**{**fields, "max_new_tokens": max_new_tokens})
-        # What check_request does after its check_prompt_ids (tests/unit/test_front_end_costs.py holds them alike).
-        try:
-            params.validate(ctx.vocab_size)
-        except ValueError as e:
-            raise InvalidRequest(str(e)) from None
-        check_context_length(len(ids), params.max_new_tokens, ctx.context_len)
-        if ctx.manager.kv_pool_tokens is not None:
-            check_kv_pool(len(ids), params.max_new_tokens, ctx.manager.kv_pool_tokens)
+        check_params_and_length(ids, params, ctx.vocab_size, ctx.context_len, ctx.manager.kv_pool_tokens)
         out.append((ids, params))
     return out
 
