@@ -19,7 +19,9 @@ Figures (long-context.json, long-context.md, decode-vs-context.png):
 - follow_up_first_token_s: the document + reply + a question, the document from the host tier: against the floor
   of reading the document once plus its own tokens' prefill (from the fit);
 - peak_gpu_gb (nvidia-smi, whole device, above the idle baseline) beside its parts: weights, ring buffers, prefill
-  workspace, the KV pool; peak_host_gb (MemTotal - MemAvailable above the baseline) beside the host pool.
+  workspace, the KV pool; gpu_ready_gb, the device memory in use once the engine is up, and the peak of each phase
+  (peak_gpu_gb_by_phase): the document's phase against gpu_ready_gb is what a long request adds; peak_host_gb
+  (MemTotal - MemAvailable above the baseline) beside the host pool.
 Each phase writes the JSON as it ends, so a run cut by a time limit keeps what it measured; --budget-s shortens the
 document (by the quadratic fit's prediction) when the whole run would not fit in it. The ratios, plot and table are
 bench/long_context_report.py's."""
@@ -120,12 +122,14 @@ def copy_bandwidth(gib: float = 1.0, chunk_mib: int = 256) -> tuple[float, float
 
 
 class MemoryPoller:
-    """Peaks of device memory used (nvidia-smi, all processes) and host memory used (MemTotal - MemAvailable)."""
+    """Peaks of device memory used (nvidia-smi, all processes) and host memory used (MemTotal - MemAvailable), over
+    the whole run and per phase (enter(name) starts one), above the idle baseline."""
 
     def __init__(self, gpu: bool):
         self.gpu = gpu and shutil.which("nvidia-smi") is not None
         self.base_gpu, self.base_host = self._gpu(), self._host()
         self.peak_gpu, self.peak_host = self.base_gpu, self.base_host
+        self.phase, self.phase_peaks = "start", {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -146,15 +150,29 @@ class MemoryPoller:
         kib = int(info["MemTotal"].split()[0]) - int(info["MemAvailable"].split()[0])
         return kib * 1024 / 1e9
 
+    def _sample(self) -> float:
+        gpu = self._gpu()
+        self.peak_gpu, self.peak_host = max(self.peak_gpu, gpu), max(self.peak_host, self._host())
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0.0), gpu)
+        return gpu
+
     def _run(self) -> None:
         while not self._stop.wait(0.5):
-            self.peak_gpu, self.peak_host = max(self.peak_gpu, self._gpu()), max(self.peak_host, self._host())
+            self._sample()
+
+    def enter(self, phase: str) -> float:
+        """Start a phase; the device memory in use now, above the baseline."""
+        used = self._sample()
+        self.phase = phase
+        return round(used - self.base_gpu, 2)
 
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join()
+        self._sample()  # the last phase, however short
         return {
             "peak_gpu_gb": round(self.peak_gpu - self.base_gpu, 2),
+            "peak_gpu_gb_by_phase": {k: round(v - self.base_gpu, 2) for k, v in self.phase_peaks.items()},
             "peak_host_gb": round(self.peak_host - self.base_host, 2),
         }
 
@@ -242,6 +260,9 @@ def run(ns, out_dir: Path) -> dict:
         disable_prefill_cuda_graph=True,
     )  # (chunks of 8192 tokens run eagerly anyway; saves start-up)
     res["engine_start_s"] = round(time.perf_counter() - t0, 1)
+    # What the engine holds once up (weights, KV pool, ring, workspace, and the CUDA context, graphs and library
+    # workspaces that no tensor size names): the phases' peaks are read against it.
+    res["gpu_ready_gb"] = poller.enter("in-GPU prefill")
     try:
         # Warm-up (Triton compiles every kernel variant on its first use): the in-GPU path; the offload path too on
         # the CPU (on a GPU its smallest request is a prompt the size of the pool: its compiles stay in the document's
@@ -271,6 +292,7 @@ def run(ns, out_dir: Path) -> dict:
                 doc_tokens = int(doc_tokens * 0.9)
             res["doc_tokens"] = doc_tokens
         doc = rng.integers(0, vocab, doc_tokens).tolist()
+        poller.enter("document")
         out, prefill_s, decode_ms = timed(engine, doc, ns.out_tokens)
         res.update(
             offload_prefill_s=round(prefill_s, 3),
@@ -280,6 +302,7 @@ def run(ns, out_dir: Path) -> dict:
         res["decode_points"] = {str(doc_tokens): round(decode_ms, 3)}
         save()
         question = rng.integers(0, vocab, ns.question_tokens).tolist()
+        poller.enter("follow-up")
         follow, ttft, _ = timed(engine, doc + out.token_ids + question, 2)
         res.update(
             follow_up_first_token_s=round(ttft, 3),
@@ -287,6 +310,7 @@ def run(ns, out_dir: Path) -> dict:
             follow_up_own_tokens=len(doc) + len(out.token_ids) + len(question) - follow.cached_tokens,
         )
         save()
+        poller.enter("decode points")
         for n in ns.decode_points:
             if n < doc_tokens:
                 _, _, ms = timed(engine, doc[:n] + question[:1], ns.decode_tokens)

@@ -25,6 +25,13 @@ def add_ratios(res: dict) -> None:
         res["follow_up_vs_doc_prefill"] = round(res["follow_up_first_token_s"] / res["offload_prefill_s"], 4)
     if "peak_gpu_gb" in res and res.get("weights_gb"):
         res["gpu_bound_gb"] = round(res["weights_gb"] + res["ring_gb"] + res["workspace_gb"] + res["kv_pool_gb"], 2)
+        if res.get("gpu_ready_gb"):
+            # The CUDA context, CUDA graphs' pool, cuBLAS / Triton workspaces and the allocator's rounding: held from
+            # start-up on, whatever the context length.
+            res["gpu_runtime_gb"] = round(res["gpu_ready_gb"] - res["gpu_bound_gb"], 2)
+        doc_peak = res.get("peak_gpu_gb_by_phase", {}).get("document")
+        if doc_peak is not None and res.get("gpu_ready_gb"):
+            res["doc_peak_over_ready_gb"] = round(doc_peak - res["gpu_ready_gb"], 2)
 
 
 def plot(res: dict, png: Path) -> bool:
@@ -82,7 +89,11 @@ def markdown(res: dict) -> str:
         "follow_up_vs_doc_prefill",
         "follow_up_cached_tokens",
         "peak_gpu_gb",
+        "peak_gpu_gb_by_phase",
+        "gpu_ready_gb",
         "gpu_bound_gb",
+        "gpu_runtime_gb",
+        "doc_peak_over_ready_gb",
         "weights_gb",
         "ring_gb",
         "workspace_gb",
