@@ -93,6 +93,43 @@ def test_offload_gives_the_tokens_of_a_pool_that_holds_it_on_cuda():
             assert info["kv_invariant_ok"] and info["long_max_decode_batch"] == 2 and info["host_kv_owned"] == 0
 
 
+def test_real_weights_give_the_same_tokens_with_offload_on_cuda():
+    """The demo model (SmolLM2-135M, fp32) on the GPU: a chat prompt over 2.5x the pool, its 30 layers one at a time
+    through the host, gives the greedy tokens of a pool that holds it (in process, as its CPU twin in
+    test_layerwise_offload.py)."""
+    from radixserve.sampling import SamplingParams
+    from radixserve.testing import smollm2_dir
+    from scheduler_service.in_process_engine import InProcessEngine
+
+    model = str(smollm2_dir())
+    text = " ".join(
+        f"Item {i}: the {['red', 'green', 'blue'][i % 3]} box holds {i * 7 % 13} stones." for i in range(20)
+    )
+    messages = [{"role": "user", "content": text + "\nWhich box holds the most stones?"}]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True)
+    common = dict(device="cuda", dtype="float32", cuda_graph_max_bs=4, prefill_cuda_graph_max_tokens=256)
+    whole = InProcessEngine(model, max_total_tokens=1024, **common)
+    prompt = whole.apply_chat_template(messages)
+    expected = whole.generate(prompt, params).token_ids
+    pool = 112
+    assert len(prompt) > 2.5 * pool
+    for chunk, ring in ((100, 2), (64, 3)):
+        offload = InProcessEngine(
+            model,
+            max_total_tokens=pool,
+            enable_layerwise_offload=True,
+            hicache_size=0.05,
+            layerwise_offload_chunk_size=chunk,
+            layerwise_offload_ring_size=ring,
+            **common,
+        )
+        offload.scheduler.check_invariant_every_step = True
+        out = offload.generate(prompt, params)
+        assert out.token_ids == expected and out.error is None, (chunk, ring)
+        assert offload.scheduler.long.jobs >= 1 + 11
+        offload.scheduler.check_invariant(walk_tree=True)
+
+
 def test_yarn_through_the_fused_kernel_matches_hf_on_cuda():
     from transformers import AutoModelForCausalLM
 
