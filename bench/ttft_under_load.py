@@ -14,7 +14,7 @@ output token, output tokens/s and requests/s (from the common start to the last 
 the bursts, with its spread.
 
 The clients: N requests split over --client-procs processes, each request with its own AsyncOpenAI client (its own
-connection). One client shared by 128 concurrent streams (--shared-client) measures the client too: httpx's
+connection); the processes build their clients, meet at a barrier and send together. One client shared by 128 concurrent streams (--shared-client) measures the client too: httpx's
 connection pool scans every connection on each request event, which cost ~1.5 s of client CPU per 128-request burst
 on a 2-core machine (see tests/http/test_chat_segments_server.py).
 
@@ -116,9 +116,7 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int) -> dic
     }
 
 
-async def _share(
-    url: str, model: str, chats: list[list[dict]], start_at: float, shared_client: bool, max_tokens: int
-) -> list[dict]:
+async def _share(url: str, model: str, chats: list[list[dict]], barrier, shared_client: bool, max_tokens: int):
     from openai import AsyncOpenAI
 
     def client():
@@ -127,31 +125,47 @@ async def _share(
         )
 
     clients = [client()] * len(chats) if shared_client else [client() for _ in chats]
-    await asyncio.sleep(max(0.0, start_at - time.time()))  # every process starts its requests at the same moment
+    # Every process starts its requests at the same moment, once all have built their clients: building 32
+    # AsyncOpenAI clients (an SSL context each) took over a second on the H100 host, and a fixed lead time let the
+    # processes' shares arrive 0.1-0.5 s apart, each competing with the streams of those before it.
+    barrier.wait(timeout=300)
+    go = time.time()
     try:
         results = await asyncio.gather(
             *(_one(c, model, m, max_tokens) for c, m in zip(clients, chats)), return_exceptions=True
         )
         # As text: the openai package's errors do not survive pickling back to the parent process.
-        return [{"error": repr(r)} if isinstance(r, BaseException) else r for r in results]
+        return go, [{"error": repr(r)} if isinstance(r, BaseException) else r for r in results]
     finally:
         for c in set(clients):
             await c.close()
 
 
-def client_share(
-    url: str, model: str, chats: list[list[dict]], start_at: float, shared_client: bool, max_tokens: int
-) -> list[dict]:
-    """One client process's part of a burst (a multiprocessing target)."""
-    return asyncio.run(_share(url, model, chats, start_at, shared_client, max_tokens))
+def client_share(url: str, model: str, chats: list[list[dict]], barrier, shared_client: bool, max_tokens: int):
+    """One client process's part of a burst (a multiprocessing target): its start time and its requests' figures."""
+    return asyncio.run(_share(url, model, chats, barrier, shared_client, max_tokens))
+
+
+_manager = None
+
+
+def start_barrier(parties: int):
+    """A barrier the client processes of one burst wait at (from one manager process, started on first use)."""
+    global _manager
+    if _manager is None:
+        _manager = multiprocessing.get_context("spawn").Manager()
+    return _manager.Barrier(parties)
 
 
 def burst(pool, procs: int, url: str, model: str, chats: list[list[dict]], ns) -> dict:
     """All chats at once, split over the client processes: the burst's figures."""
-    start_at = time.time() + 1.0  # time for every process to get its share and build its clients
-    shares = [chats[p::procs] for p in range(procs)]
-    args = [(url, model, share, start_at, ns.shared_client, ns.max_tokens) for share in shares if share]
-    results = [r for part in pool.starmap(client_share, args) for r in part]
+    shares = [share for share in (chats[p::procs] for p in range(procs)) if share]
+    barrier = start_barrier(len(shares))
+    parts = pool.starmap(
+        client_share, [(url, model, share, barrier, ns.shared_client, ns.max_tokens) for share in shares]
+    )
+    start_at = min(go for go, _ in parts)
+    results = [r for _, part in parts for r in part]
     failed = [r["error"] for r in results if "error" in r]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(results)} requests failed, the first with {failed[0]}")
