@@ -281,6 +281,12 @@ class ServerArgs:
     disable_chat_segment_cache: bool = _flag(
         False, "Tokenize every chat prompt whole, as rendered, instead of per message with cached pieces (ablation)."
     )
+    inline_tokenize_chars: int = _flag(
+        2048,
+        "A chat prompt whose pieces are all cached but for at most this many new characters is tokenized on the "
+        "HTTP event loop, not in the tokenizer pool (cheaper than the trip, which waits for the GIL under load); "
+        "0: always the pool.",
+    )
     allowed_origins: str | None = _flag(
         None,
         "Comma-separated browser origins allowed to call the API (CORS), e.g. "

@@ -57,6 +57,8 @@ def apply_rules(args: ServerArgs) -> None:
         )
     if args.tokenizer_workers < 1:
         raise ValueError(f"--tokenizer-workers must be >= 1, got {args.tokenizer_workers}")
+    if args.inline_tokenize_chars < 0:
+        raise ValueError(f"--inline-tokenize-chars must be >= 0, got {args.inline_tokenize_chars}")
     if args.chat_segment_cache_mib < 0:
         raise ValueError(f"--chat-segment-cache-mib must be >= 0, got {args.chat_segment_cache_mib}")
     if args.responses_store_size < 0 or not args.responses_store_ttl > 0:

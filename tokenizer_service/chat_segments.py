@@ -122,3 +122,41 @@ class SegmentEncoder:
             else:
                 out.extend(found[part])
         return out
+
+    def encode_known(self, text: str, namespace: str | None, max_new_chars: int) -> list[int] | None:
+        """encode() for the event loop: the ids when the pieces not cached yet total at most max_new_chars (those
+        encoded here, in one small batch); None, having claimed and encoded nothing, when there is more new text,
+        for the pool to encode. Never waits: a new piece that another request is encoding right now is encoded
+        here too (it is short), and its ids are not put a second time."""
+        parts = self.split(text)
+        cache = self.cache
+        found: dict[str, tuple[int, ...]] = {}
+        missing: list[str] = []
+        for piece in dict.fromkeys(part for part in parts if isinstance(part, str)):
+            got = cache.lookup(namespace, piece)
+            if got is None:
+                missing.append(piece)
+            else:
+                found[piece] = got
+        if sum(map(len, missing)) > max_new_chars:
+            return None
+        if missing:
+            claims = [cache.claim(namespace, piece) for piece in missing]
+            to_encode = [piece for piece, got in zip(missing, claims) if not isinstance(got, tuple)]
+            found.update((piece, got) for piece, got in zip(missing, claims) if isinstance(got, tuple))
+            mine = [piece for piece, got in zip(missing, claims) if got is None]
+            try:
+                encoded = self.backend.encode_batch(to_encode, add_special_tokens=False) if to_encode else []
+            except BaseException as e:
+                cache.abandon(namespace, mine, e)
+                raise
+            claimed = set(mine)
+            for piece, encoding in zip(to_encode, encoded):
+                found[piece] = cache.put(namespace, piece, encoding.ids) if piece in claimed else encoding.ids
+        out: list[int] = []
+        for part in parts:
+            if isinstance(part, int):
+                out.append(part)
+            else:
+                out.extend(found[part])
+        return out

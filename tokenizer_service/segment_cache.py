@@ -60,6 +60,17 @@ class SegmentCache:
             self.misses += 1
             return None
 
+    def lookup(self, namespace: str | None, text: str) -> tuple[int, ...] | None:
+        """The piece's ids if cached (a hit), else None, claiming nothing: the event loop's path looks before it
+        decides whether to encode here or hand the prompt to the pool."""
+        key = (namespace, text)
+        with self._lock:
+            ids = self._entries.get(key)
+            if ids is not None:
+                self._entries.move_to_end(key)
+                self.hits += 1
+            return ids
+
     def abandon(self, namespace: str | None, texts: list[str], error: BaseException) -> None:
         """The claimed pieces could not be encoded: whoever waits for them gets the error."""
         with self._lock:

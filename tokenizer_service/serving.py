@@ -60,7 +60,9 @@ class ServingContext:
         )
         if self.tokenization is None:
             cache_mib = 0 if self.args.disable_chat_segment_cache else self.args.chat_segment_cache_mib
-            self.tokenization = Tokenization(tokenizer, self.context_len, self.args.tokenizer_workers, cache_mib)
+            self.tokenization = Tokenization(
+                tokenizer, self.context_len, self.args.tokenizer_workers, cache_mib, self.args.inline_tokenize_chars
+            )
         segments = getattr(self.tokenization, "segments", None)
         if segments is not None:
             self.metrics.watch_segment_cache(segments.cache)

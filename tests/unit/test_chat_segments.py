@@ -127,15 +127,17 @@ TOKENIZER_DIRS = {"smollm2": smollm2_dir, "qwen3": qwen3_tokenizer_dir}
 
 @pytest.fixture(scope="module", params=sorted(TOKENIZER_DIRS))
 def tokenizations(request):
-    """(reference tokenizer, per-piece Tokenization, whole-prompt Tokenization) of one tokenizer; the per-piece
-    cache lives across the fuzzed examples, so most of them meet pieces cached by earlier ones."""
+    """(reference tokenizer, per-piece Tokenizations, whole-prompt Tokenization) of one tokenizer: per piece in the
+    pool only, and on the event loop where little is new (the server's default); the per-piece caches live across
+    the fuzzed examples, so most of them meet pieces cached by earlier ones."""
     tokenizer = load_tokenizer(TOKENIZER_DIRS[request.param]())
-    pieces = Tokenization(tokenizer, 4096, 2, segment_cache_mib=64)
+    pool = Tokenization(tokenizer, 4096, 2, segment_cache_mib=64)
+    inline = Tokenization(tokenizer, 4096, 2, segment_cache_mib=64, inline_chars=64)
     whole = Tokenization(tokenizer, 4096, 2, segment_cache_mib=0)
-    assert pieces.segments is not None, pieces.whole_prompt_reason
-    yield tokenizer, pieces, whole
-    pieces.close()
-    whole.close()
+    assert pool.segments is not None and inline.segments is not None, pool.whole_prompt_reason
+    yield tokenizer, (pool, inline), whole
+    for tokenization in (pool, inline, whole):
+        tokenization.close()
 
 
 def encode(tokenization: Tokenization, req: ChatCompletionRequest) -> list[int] | str:
@@ -159,12 +161,13 @@ def test_piece_ids_equal_whole_prompt_ids_on_fuzzed_chats(tokenizations, body):
         expected: list[int] | str = whole_prompt_ids(tokenizer, req)
     except Exception:  # noqa: BLE001 - the template refuses this chat: the server must answer a 400 for it too
         expected = "refused"
-    for attempt in range(2):  # the second time every piece comes from the cache
-        got = encode(pieces, req)
-        if expected == "refused":
-            assert isinstance(got, str) and got.startswith("RequestError"), got
-        else:
-            assert got == expected, f"attempt {attempt}: {body!r}"
+    for tokenization in pieces:
+        for attempt in range(2):  # the second time every piece comes from the cache
+            got = encode(tokenization, req)
+            if expected == "refused":
+                assert isinstance(got, str) and got.startswith("RequestError"), got
+            else:
+                assert got == expected, f"attempt {attempt}: {body!r}"
     got_whole = encode(whole, req)
     assert got_whole == expected or (expected == "refused" and got_whole.startswith("RequestError"))
 
@@ -372,3 +375,67 @@ def test_salts_never_share_pieces():
                 assert cache.hits == hits and cache.misses > misses
     finally:
         tokenization.close()
+
+
+class CountingPool:
+    """The tokenizer pool, counting what is handed to it."""
+
+    def __init__(self, pool):
+        self.pool, self.submitted = pool, 0
+
+    def submit(self, *args, **kwargs):
+        self.submitted += 1
+        return self.pool.submit(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.pool, name)
+
+
+def test_a_known_system_prompt_with_a_short_question_is_tokenized_on_the_loop():
+    tokenizer = load_tokenizer(qwen3_tokenizer_dir())
+    tokenization = Tokenization(tokenizer, 8192, 2, segment_cache_mib=64, inline_chars=256)
+    tokenization._pool = pool = CountingPool(tokenization._pool)
+    system = {"role": "system", "content": "You are the support assistant of a shop. Answer in full sentences. " * 60}
+
+    def chat(question: str) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=[system, {"role": "user", "content": question}])
+
+    try:
+        first = chat("Where is my order?")
+        assert encode(tokenization, first) == whole_prompt_ids(tokenizer, first)
+        assert pool.submitted == 1  # a new system prompt: more new text than the loop takes, so the pool
+        for question in ("And my refund?", "Can I change the address?", "Thanks!"):
+            req = chat(question)
+            assert encode(tokenization, req) == whole_prompt_ids(tokenizer, req)
+        assert pool.submitted == 1  # known prompt + a short question each: on the loop
+        long_question = chat("Please read this carefully. " * 20)  # 540 new characters > 256
+        assert encode(tokenization, long_question) == whole_prompt_ids(tokenizer, long_question)
+        assert pool.submitted == 2
+    finally:
+        tokenization.close()
+    off = Tokenization(tokenizer, 8192, 2, segment_cache_mib=64, inline_chars=0)
+    off._pool = pool = CountingPool(off._pool)
+    try:
+        for question in ("Where is my order?", "And my refund?"):
+            assert encode(off, chat(question)) == whole_prompt_ids(tokenizer, chat(question))
+        assert pool.submitted == 2  # --inline-tokenize-chars 0: always the pool
+    finally:
+        off.close()
+
+
+def test_the_loop_neither_claims_too_much_new_text_nor_waits_for_a_piece_being_encoded():
+    tokenizer = load_tokenizer(qwen3_tokenizer_dir())
+    encoder = SegmentEncoder(tokenizer._tokenizer, SegmentCache(1 << 24, ()))
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Rules. " * 200}, {"role": "user", "content": "Hi"}], tokenize=False
+    )
+    expected = tokenizer._tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+    assert encoder.encode_known(text, None, 100) is None  # 1,400 new characters: for the pool
+    assert not encoder.cache._pending and len(encoder.cache) == 0  # and nothing claimed or kept on the way
+    system_piece = max((p for p in encoder.split(text) if isinstance(p, str)), key=len)
+    assert encoder.cache.claim(None, system_piece) is None  # another request is encoding the long piece now
+    assert encoder.encode_known(text, None, 4096) == expected  # encoded here too, without waiting for it
+    assert (None, system_piece) in encoder.cache._pending  # still the other request's to put
+    assert encoder.encode_known(text, None, 0) is None  # the long piece is not cached yet
+    encoder.cache.put(None, system_piece, tokenizer._tokenizer.encode(system_piece, add_special_tokens=False).ids)
+    assert encoder.encode_known(text, None, 0) == expected  # every piece cached: nothing new at all
