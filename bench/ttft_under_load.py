@@ -1,25 +1,26 @@
-"""Time to first token when many users arrive at once: N streamed chat requests through HTTP, sent together, with
-the official `openai` client, over G shared system prompts of L tokens (issue 27's burst).
+"""Time to first token when many users arrive at once: N streamed chat requests through HTTP, sent together, with the
+official `openai` client, over G shared system prompts of L tokens (issue 27's burst).
 
     python -m bench.ttft_under_load --config qwen3-0.6b --tokenizer DIR --device cuda          # the H100 burst
     python -m bench.ttft_under_load --model DIR --device cpu --requests 32 --max-tokens 8      # any model directory
 
 A server (`launch.py`) is started per mode: `pieces` (the default server: chat prompts tokenized per message, pieces
-cached) and `whole` (--disable-chat-segment-cache). For each: a warm-up that caches the G system prompts (one request
-each) and sends one untimed burst, then --repeats timed bursts, each with new questions (so only the system prompts
-are cached, as for real users). On the CPU the modes' servers run side by side and their bursts alternate
-(--interleave), so that the load of a shared machine weighs on both alike; on a GPU one server runs at a time.
-Reported per burst: TTFT p50 / p99, inter-token latency (gaps between content chunks) mean / p50 / p99, time per
-output token, output tokens/s and requests/s (from the common start to the last token); each figure the median of
-the bursts, with its spread.
+cached, a known prompt tokenized on the event loop), `whole` (--disable-chat-segment-cache) and `pool` (pieces cached,
+every prompt tokenized in the pool: --inline-tokenize-chars 0). For each: a warm-up that caches the G system prompts
+(one request each) and sends one untimed burst, then --repeats timed bursts, each with new questions (so only the system
+prompts are cached, as for real users). On the CPU the modes' servers run side by side and their bursts alternate
+(--interleave), so that the load of a shared machine weighs on both alike; on a GPU one server runs at a time. Reported
+per burst: TTFT p50 / p99, inter-token latency (gaps between content chunks) mean / p50 / p99, time per output token,
+output tokens/s and requests/s (from the common start to the last token); each figure the median of the bursts, with its
+spread.
 
 The clients: N requests split over --client-procs processes, each request with its own AsyncOpenAI client (its own
-connection); the processes build their clients, meet at a barrier and send together. One client shared by 128 concurrent streams (--shared-client) measures the client too: httpx's
-connection pool scans every connection on each request event, which cost ~1.5 s of client CPU per 128-request burst
-on a 2-core machine (see tests/http/test_chat_segments_server.py).
+connection); the processes build their clients, meet at a barrier and send together. One client shared by 128 concurrent
+streams (--shared-client) measures the client too: httpx's connection pool scans every connection on each request event,
+which cost ~1.5 s of client CPU per 128-request burst on a 2-core machine (see tests/http/test_chat_segments_server.py).
 
-System prompts are English-like prose cut at L tokens by the model's tokenizer; questions are ~20 tokens. Replies
-run --max-tokens tokens (ignore_eos, greedy)."""
+System prompts are English-like prose cut at L tokens by the model's tokenizer; questions are ~20 tokens. Replies run
+--max-tokens tokens (ignore_eos, greedy)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,11 @@ from bench.server_process import start_server
 from radixserve.testing.tiny_models import dummy_config_dir
 from radixserve.tokenizer_loading import load_tokenizer
 
-MODES = {"pieces": [], "whole": ["--disable-chat-segment-cache"]}
+MODES = {
+    "pieces": [],
+    "whole": ["--disable-chat-segment-cache"],
+    "pool": ["--inline-tokenize-chars", "0"],  # pieces cached, but every prompt tokenized in the pool
+}
 WORDS = (
     "the of and to in is you that it for are as with be on your this by we or an will can not all at from "
     "have more if their about which when they one our any what other use must should answer request user "
