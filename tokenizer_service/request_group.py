@@ -50,7 +50,10 @@ class RequestGroup:
         self.request_id = request_id
         self.sequences: list[Sequence] = []
         self._manager = manager
-        self._queue: asyncio.Queue[SequenceOutput] = asyncio.Queue()
+        # Outputs not yet taken by the handler, and the future its stream waits on when there are none: one list swap
+        # per wake-up instead of an asyncio.Queue's get per output (the HTTP process does this for every token).
+        self._pending: list[SequenceOutput] = []
+        self._waiter: asyncio.Future | None = None
         self._unfinished = 0
 
     @property
@@ -65,16 +68,23 @@ class RequestGroup:
         """Called by the RequestManager for each output of one of our sequences; the last one has finished=True."""
         if output.finished:
             self._unfinished -= 1
-        self._queue.put_nowait(output)
+        self._pending.append(output)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     async def stream(self) -> AsyncIterator[list[SequenceOutput]]:
         """Outputs as they come, everything already queued at each wake-up in one list (a client reading slower
         than tokens arrive gets bigger chunks, not a growing backlog), until every sequence has finished."""
         delivered_finished = 0
         while delivered_finished < len(self.sequences):
-            batch = [await self._queue.get()]
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            while not self._pending:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            batch, self._pending = self._pending, []
             delivered_finished += sum(o.finished for o in batch)
             yield batch
 

@@ -88,7 +88,10 @@ class EventStreamResponse(Response):
 
 
 def merge_outputs(batch: list[SequenceOutput]) -> list[SequenceOutput]:
-    """Outputs of one wake-up merged per choice (text and tokens concatenated), in order of first appearance."""
+    """Outputs of one wake-up merged per choice (text and tokens concatenated), in order of first appearance. (The
+    outputs are not changed: a merge builds new ones.)"""
+    if len(batch) == 1:  # the usual wake-up in a stream that keeps up: nothing to merge
+        return batch
     merged: dict[int, SequenceOutput] = {}
     for out in batch:
         into = merged.get(out.index)
