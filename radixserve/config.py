@@ -284,7 +284,7 @@ class ServerArgs:
     inline_tokenize_chars: int = _flag(
         2048,
         "A chat prompt whose pieces are all cached but for at most this many new characters is tokenized on the "
-        "HTTP event loop, not in the tokenizer pool (cheaper than the trip, which waits for the GIL under load); "
+        "HTTP event loop, not in the tokenizer pool (cheaper than the trip to a pool thread and back); "
         "0: always the pool.",
     )
     allowed_origins: str | None = _flag(

@@ -18,10 +18,12 @@ is not safe while another thread encodes, and the event loop keeps using the ser
 Rust backend (a sentencepiece-only model) keeps a copy per thread, as its Python encode holds the GIL anyway.
 
 A chat prompt whose pieces are cached but for a few short new ones (a question under a long, known system prompt) is
-tokenized on the event loop itself (--inline-tokenize-chars): the render (~50 us) and the lookups cost less than the
-trip to a pool thread and back, and under load that trip waits for the GIL behind the streams being written
-(measured on the H100 host: 0.6 ms -> 2 ms per request once a burst's first streams start). A prompt over
-INLINE_RENDER_MAX_CHARS, or with more new text than the flag allows, still goes to the pool.
+tokenized on the event loop itself (--inline-tokenize-chars): the render (~45 us for an 8K-character prompt) and the
+lookups (~10 us) cost less than the trip to a pool thread and back, which under load also waits for the GIL behind
+the streams being written. Measured on an H100 host, issue 27's burst of 128 chat requests over 8 cached system
+prompts: time to first token p50 186 ms against 207 ms with every prompt in the pool (paired bursts,
+bench/results/ttft-under-load-h100.md). A prompt over INLINE_RENDER_MAX_CHARS, or with more new text than the flag
+allows, still goes to the pool.
 
 Before any of that, a cheap length check: no token of this vocabulary spans more than `max_token_chars`
 characters, so a text longer than context_len * max_token_chars can never fit the context and is refused at once.
