@@ -187,16 +187,13 @@ def test_groups_share_their_prefix_and_are_optimal(specs, min_tokens):
     assert (t.req_group >= 0).sum() == sum(len(g.members) for g in groups)
 
 
-def test_large_batch_is_fast_enough_for_every_step():
-    import time
-
+def test_a_large_batch_groups_by_its_system_prompts():
+    """256 running requests over 16 system prompts: 16 groups of 16. (Its time per step is a benchmark's figure:
+    `python -m bench.scheduler_bench` prints it.)"""
     rng = np.random.default_rng(2)
     systems = [rng.integers(1000, 2000, size=200) for _ in range(16)]
     prompts = [np.concatenate([systems[i % 16], [5000 + i], rng.integers(1, 999, size=30)]) for i in range(256)]
     _, matches = _admit(prompts, num_slots=20000)
-    paths = [node_path(m.last_node) for m in matches]
-    started = time.perf_counter()
-    groups = choose_prefix_groups(paths, min_tokens=64)
-    elapsed = time.perf_counter() - started
+    groups = choose_prefix_groups([node_path(m.last_node) for m in matches], min_tokens=64)
     assert len(groups) == 16 and all(len(g.members) == 16 for g in groups)
-    assert elapsed < 0.25, f"{elapsed * 1e3:.1f} ms for 256 requests"  # ~5 ms on one free core
+    assert sorted(m for g in groups for m in g.members) == list(range(256))
