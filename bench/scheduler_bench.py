@@ -17,6 +17,7 @@ import pstats
 import statistics
 import time
 from collections import deque
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -26,7 +27,7 @@ from radixserve.cache.slot_allocator import TokenSlotAllocator
 from radixserve.config import ServerArgs
 from radixserve.protocol import BatchOutput, ForwardBatch, SampledTokens, SchedulerLoad
 from radixserve.sampling import SamplingParams
-from scheduler_service.prefix_groups import choose_prefix_groups, node_path
+from scheduler_service.prefix_groups import DecodeGrouper
 from scheduler_service.request import Req
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.step_loop import make_step_loop
@@ -129,7 +130,7 @@ def main() -> None:
 
 
 def group_choice_ms(running: int) -> float:
-    """CPU time of choose_prefix_groups (shared-prefix decode attention's grouping, redone when the batch's
+    """CPU time of one search of shared-prefix decode attention's groups (DecodeGrouper.groups, redone when the batch's
     membership changes) for `running` requests whose 200-token system prompts are 16 distinct ones; median of 5."""
     rng = np.random.default_rng(2)
     systems = [rng.integers(1000, 2000, size=200).tolist() for _ in range(16)]
@@ -137,15 +138,16 @@ def group_choice_ms(running: int) -> float:
     prompts = [systems[i % 16] + [5000 + i] + rng.integers(1, 999, size=30).tolist() for i in range(running)]
     for prompt in prompts:
         tree.insert(prompt, tree.allocator.alloc(len(prompt)))
-    paths = []
+    decodes = []
     for prompt in prompts:
         match = tree.match_prefix(prompt)
         tree.inc_lock_ref(match.last_node)
-        paths.append(node_path(match.last_node))
+        decodes.append(SimpleNamespace(last_node=match.last_node, tree_len=len(prompt)))
     times = []
     for _ in range(5):
+        grouper = DecodeGrouper(min_tokens=64)  # a new one searches: as after a change of membership
         t0 = time.thread_time()
-        groups = choose_prefix_groups(paths, min_tokens=64)
+        groups = grouper.groups(decodes)
         times.append((time.thread_time() - t0) * 1e3)
     assert len(groups) == 16
     return statistics.median(times)
