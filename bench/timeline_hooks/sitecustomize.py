@@ -24,6 +24,11 @@ HOOKS = {
         ("ModelRunner", "finish_step"),
     ],
     "radixserve.runtime.ipc": [("Channel", "send"), ("Channel", "recv")],
+    # The HTTP process (bench/burst_timeline.py): a request reaching the app, its prompt built, its submission, and
+    # each batch of outputs handled.
+    "tokenizer_service.middleware": [("HostCheckMiddleware", "__call__")],
+    "tokenizer_service.serving": [(None, "build_prompts")],
+    "tokenizer_service.request_manager": [("RequestManager", "submit"), ("RequestManager", "_on_batch")],
 }
 _fd = None
 

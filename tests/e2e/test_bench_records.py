@@ -46,3 +46,22 @@ def test_summary_is_median_and_spread():
         [{"seconds": 4.0, "mode": "radix"}, {"seconds": 5.0, "mode": "radix"}, {"seconds": 3.0, "mode": "radix"}]
     )
     assert rows["seconds"]["median"] == 4.0 and rows["mode"] == "radix"
+
+
+def test_burst_timeline_lines_up_every_request(tmp_path):
+    """bench/burst_timeline.py on the demo model (CPU, 8 requests): every request is seen starting, reaching the
+    app, being built and submitted in the processes' hooks, and its first chunk comes back."""
+    from radixserve.testing import smollm2_dir
+
+    out = tmp_path / "timeline.json"
+    proc = run_module(
+        "bench.burst_timeline",
+        *("--model", str(smollm2_dir()), "--device", "cpu", "--requests", "8", "--groups", "2"),
+        *("--system-tokens", "120", "--max-tokens", "3", "--client-procs", "2", "--bursts", "1"),
+        *("--span-ms", "5000", "--bin-ms", "100", "--json-out", str(out)),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (burst,) = json.loads(out.read_text())["bursts"]
+    totals = {key: sum(row[key] for row in burst["table"]) for key in burst["table"][0] if key != "ms"}
+    assert totals["started"] == totals["arrived"] == totals["built"] == totals["submitted"] == 8, totals
+    assert totals["first chunk"] == 8 and totals["steps"] >= 1 and totals["output batches"] >= 1, totals
