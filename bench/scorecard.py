@@ -264,6 +264,8 @@ def main() -> None:
         else:
             fidelity_part(card)
         card["commands"][part] = f"{record['command']}  ({record['git_commit']}, {record['date']})"
+        # Parts run on different machines across calls: each keeps its host (run_record.host_python_ms says why).
+        card.setdefault("hosts", {})[part] = {"cpu": record["host_cpu"], "python_ms": record["host_python_ms"]}
         print(f"{part}: {time.perf_counter() - start:.0f} s", flush=True)
         print_card(card, part)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -27,6 +27,7 @@ def test_record_quotes_the_command_that_ran():
     assert record["command"] == "python -m bench.run_record --tokenizer 'a dir' --repeats 3"
     assert datetime.datetime.fromisoformat(record["date"]).tzinfo is not None
     assert record["gpu"] and record["git_commit"] and record["torch"]
+    assert record["host_cpu"] and record["host_python_ms"] > 0  # how fast this host runs Python, for host-bound figures
 
 
 def test_throughput_refuses_fewer_than_three_runs():
