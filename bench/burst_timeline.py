@@ -14,7 +14,6 @@ requests in at ~1.1-1.3 ms each while the first streams' per-token work shares i
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import multiprocessing
 import os
@@ -28,7 +27,8 @@ import httpx
 import numpy as np
 
 from bench.server_process import start_server
-from bench.ttft_under_load import _one, burst, conversations, start_barrier, system_prompts
+from bench.process_timeline import read_events
+from bench.ttft_under_load import burst, client_share, conversations, start_barrier, system_prompts
 from radixserve.testing.tiny_models import dummy_config_dir
 from radixserve.tokenizer_loading import load_tokenizer
 
@@ -41,50 +41,21 @@ EVENTS = [
 ]
 
 
-async def _share(url: str, model: str, chats: list, barrier, max_tokens: int) -> list[tuple[int, int | None]]:
-    from openai import AsyncOpenAI
-
-    clients = [AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600) for _ in chats]
-    barrier.wait(timeout=300)
-
-    async def one(client, messages):
-        start = time.monotonic_ns()
-        result = await _one(client, model, messages, max_tokens)
-        return start, None if result["ttft"] is None else start + int(result["ttft"] * 1e9)
-
-    try:
-        return await asyncio.gather(*(one(c, m) for c, m in zip(clients, chats)))
-    finally:
-        for client in clients:
-            await client.close()
+def events_since(directory: Path, since: int) -> list[tuple[int, str, str, str]]:
+    """The hooks' events (time, pid, B/E, function) from `since` on, in time order."""
+    return [event for event in read_events(directory) if event[0] >= since]
 
 
-def client_share(url: str, model: str, chats: list, barrier, max_tokens: int) -> list[tuple[int, int | None]]:
-    """One client process's requests: (start, first chunk) of each, monotonic ns."""
-    return asyncio.run(_share(url, model, chats, barrier, max_tokens))
-
-
-def read_events(directory: Path, since: int) -> list[tuple[int, str, str]]:
-    rows = []
-    for path in directory.glob("t*.txt"):
-        for line in path.read_text().splitlines():
-            at, phase, name = line.split()
-            if int(at) >= since:
-                rows.append((int(at), phase, name))
-    return rows
-
-
-def spans(rows: list[tuple[int, str, str]], name: str) -> list[tuple[int, int]]:
-    """(begin, end) of each call of a hooked function (calls of one function do not nest within a process here)."""
-    out, begun = [], None
-    for at, phase, label in sorted(rows):
+def spans(rows: list[tuple[int, str, str, str]], name: str) -> list[tuple[int, int]]:
+    """(begin, end) of each call of a hooked function, paired within its process."""
+    out, begun = [], {}
+    for at, pid, phase, label in rows:
         if label != name:
             continue
         if phase == "B":
-            begun = at
-        elif begun is not None:
-            out.append((begun, at))
-            begun = None
+            begun[pid] = at
+        elif pid in begun:
+            out.append((begun.pop(pid), at))
     return out
 
 
@@ -97,7 +68,7 @@ def chronology(rows, starts: np.ndarray, firsts: np.ndarray, bin_ms: int, span_m
 
     series = {"started": rel(starts)}
     for label, name, phase in EVENTS:
-        series[label] = rel([at for at, p, n in rows if n == name and p == phase and at >= t0])
+        series[label] = rel([at for at, _, p, n in rows if n == name and p == phase and at >= t0])
     series["first chunk"] = rel(firsts)
     steps = rel([b for b, _ in spans(rows, "ModelRunner.prepare") if b >= t0])
     batches = [(b, e) for b, e in spans(rows, "RequestManager._on_batch") if b >= t0]
@@ -172,11 +143,14 @@ def main() -> None:
             shares = [share for share in (chats[p :: ns.client_procs] for p in range(ns.client_procs)) if share]
             barrier = start_barrier(len(shares))
             since = time.monotonic_ns()
-            parts = pool.starmap(client_share, [(url, model, share, barrier, ns.max_tokens) for share in shares])
-            rows = [r for part in parts for r in part]
-            starts = np.array([s for s, _ in rows])
-            firsts = np.array([f for _, f in rows if f is not None])
-            results.append(chronology(read_events(timeline, since), starts, firsts, ns.bin_ms, ns.span_ms))
+            args = [(url, model, share, barrier, False, ns.max_tokens) for share in shares]
+            rows = [r for _, part in pool.starmap(client_share, args) for r in part]
+            failed = [r["error"] for r in rows if "error" in r]
+            if failed:
+                raise RuntimeError(f"{len(failed)} of {len(rows)} requests failed, the first with {failed[0]}")
+            starts = np.array([r["start_ns"] for r in rows])
+            firsts = np.array([r["first_ns"] for r in rows if r["first_ns"] is not None])
+            results.append(chronology(events_since(timeline, since), starts, firsts, ns.bin_ms, ns.span_ms))
             print_burst(b, results[-1])
         assert httpx.get(f"{url}/server_info", timeout=30).json()["kv_invariant_ok"]
     finally:

@@ -128,8 +128,8 @@ class MemoryPoller:
     def __init__(self, gpu: bool):
         self.gpu = gpu and shutil.which("nvidia-smi") is not None
         self.base_gpu, self.base_host = self._gpu(), self._host()
-        self.peak_gpu, self.peak_host = self.base_gpu, self.base_host
-        self.phase, self.phase_peaks = "start", {}
+        self.peak_host = self.base_host
+        self.phase, self.phase_peaks = "start", {}  # the whole run's GPU peak is the highest of these
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -152,7 +152,7 @@ class MemoryPoller:
 
     def _sample(self) -> float:
         gpu = self._gpu()
-        self.peak_gpu, self.peak_host = max(self.peak_gpu, gpu), max(self.peak_host, self._host())
+        self.peak_host = max(self.peak_host, self._host())
         self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0.0), gpu)
         return gpu
 
@@ -171,7 +171,7 @@ class MemoryPoller:
         self._thread.join()
         self._sample()  # the last phase, however short
         return {
-            "peak_gpu_gb": round(self.peak_gpu - self.base_gpu, 2),
+            "peak_gpu_gb": round(max(self.phase_peaks.values(), default=self.base_gpu) - self.base_gpu, 2),
             "peak_gpu_gb_by_phase": {k: round(v - self.base_gpu, 2) for k, v in self.phase_peaks.items()},
             "peak_host_gb": round(self.peak_host - self.base_host, 2),
         }

@@ -88,7 +88,7 @@ def conversations(prompts: list[str], n: int, tag: str, seed: int) -> list[list[
 
 
 async def _one(client, model: str, messages: list[dict], max_tokens: int) -> dict:
-    start = time.perf_counter()
+    start, start_ns = time.perf_counter(), time.monotonic_ns()  # (the second on the clock of bench.burst_timeline)
     stream = await client.chat.completions.create(
         model=model,
         messages=messages,
@@ -99,12 +99,13 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int) -> dic
         # Dummy weights may sample special tokens only, whose text is empty when skipped: time them too.
         extra_body={"ignore_eos": True, "skip_special_tokens": False},
     )
-    times, usage = [], None
+    times, usage, first_ns = [], None, None
     async for chunk in stream:
         if chunk.usage is not None:
             usage = chunk.usage
         if chunk.choices and chunk.choices[0].delta.content:
             times.append(time.perf_counter())
+            first_ns = first_ns or time.monotonic_ns()
     if usage is None:
         raise RuntimeError("a stream ended without usage")
     details = getattr(usage, "prompt_tokens_details", None)
@@ -118,6 +119,8 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int) -> dic
         "completion_tokens": usage.completion_tokens,
         "prompt_tokens": usage.prompt_tokens,
         "cached_tokens": getattr(details, "cached_tokens", 0) or 0,
+        "start_ns": start_ns,
+        "first_ns": first_ns,
     }
 
 

@@ -115,13 +115,7 @@ class SegmentEncoder:
                 raise
         for piece, future in waiting.items():  # only after this request's own claims are settled
             found[piece] = future.result()
-        out: list[int] = []
-        for part in parts:
-            if isinstance(part, int):
-                out.append(part)
-            else:
-                out.extend(found[part])
-        return out
+        return _joined(parts, found)
 
     def encode_known(self, text: str, namespace: str | None, max_new_chars: int) -> list[int] | None:
         """encode() for the event loop: the ids when the pieces not cached yet total at most max_new_chars (those
@@ -153,10 +147,15 @@ class SegmentEncoder:
             claimed = set(mine)
             for piece, encoding in zip(to_encode, encoded):
                 found[piece] = cache.put(namespace, piece, encoding.ids) if piece in claimed else encoding.ids
-        out: list[int] = []
-        for part in parts:
-            if isinstance(part, int):
-                out.append(part)
-            else:
-                out.extend(found[part])
-        return out
+        return _joined(parts, found)
+
+
+def _joined(parts: list[str | int], found: dict[str, tuple[int, ...]]) -> list[int]:
+    """The ids of split() parts: each piece's ids from `found`, the added tokens' ids as they are."""
+    out: list[int] = []
+    for part in parts:
+        if isinstance(part, int):
+            out.append(part)
+        else:
+            out.extend(found[part])
+    return out

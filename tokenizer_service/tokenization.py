@@ -153,10 +153,11 @@ class Tokenization:
         """Token ids as text (/v1/detokenize), special tokens included, as vLLM decodes them."""
         return await self._run(self._decode, ids)
 
-    def _render_text(self, tokenizer, messages: list[dict], add_generation_prompt: bool, options: dict) -> str:
+    def _apply_template(self, tokenizer, messages: list[dict], add_generation_prompt: bool, options: dict, **how):
+        """The chat template over messages (text, or with tokenize=True in `how` ids); its errors are the request's."""
         try:
             return tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **options
+                messages, add_generation_prompt=add_generation_prompt, **how, **options
             )
         except Exception as e:  # noqa: BLE001 - jinja raises whatever the template says ("roles must alternate")
             raise RequestError(f"Could not apply the chat template: {e}", param="messages") from None
@@ -166,20 +167,10 @@ class Tokenization:
     ) -> list[int]:
         tokenizer = self._thread_tokenizer()
         if self._backend is None:
-            try:
-                return list(
-                    tokenizer.apply_chat_template(
-                        messages,
-                        add_generation_prompt=add_generation_prompt,
-                        tokenize=True,
-                        return_dict=False,
-                        **options,
-                    )
-                )
-            except Exception as e:  # noqa: BLE001 - as in _render_text
-                raise RequestError(f"Could not apply the chat template: {e}", param="messages") from None
+            how = dict(tokenize=True, return_dict=False)
+            return list(self._apply_template(tokenizer, messages, add_generation_prompt, options, **how))
         # What apply_chat_template(tokenize=True) does, without the HF wrapper's encode (see the module doc).
-        text = self._render_text(tokenizer, messages, add_generation_prompt, options)
+        text = self._apply_template(tokenizer, messages, add_generation_prompt, options, tokenize=False)
         if self.segments is not None:
             return self.segments.encode(text, namespace)
         return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
@@ -205,7 +196,7 @@ class Tokenization:
         namespace = getattr(req, "cache_salt", None)
         if self.segments is not None and self.inline_chars > 0 and chars <= INLINE_RENDER_MAX_CHARS:
             # On the loop (the module doc says why), with the loop's own tokenizer copy for the render.
-            text = self._render_text(self.tokenizer, messages, add_generation_prompt, options)
+            text = self._apply_template(self.tokenizer, messages, add_generation_prompt, options, tokenize=False)
             ids = self.segments.encode_known(text, namespace, self.inline_chars)
             if ids is not None:
                 return ids
