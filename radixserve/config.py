@@ -52,9 +52,8 @@ class ServerArgs:
     )
     load_balance_method: str = _flag(
         "cache_aware",
-        "How the front end picks a replica (--dp-size > 1): cache_aware "
-        "(longest cached prefix, unless load is too uneven) | round_robin "
-        "| shortest_queue.",
+        "How the front end picks a replica (--dp-size > 1): cache_aware (longest cached prefix, unless load is too "
+        "uneven) | round_robin | shortest_queue.",
         choices=["cache_aware", "round_robin", "shortest_queue"],
     )
     base_gpu_id: int = _flag(0, "First GPU to use; replica i's rank r runs on GPU base + i * tp_size + r.")
@@ -88,11 +87,9 @@ class ServerArgs:
     # Contexts longer than the GPU KV pool (radixserve/worker/layerwise_offload.py, scheduler_service/long_context.py)
     enable_layerwise_offload: bool = _flag(
         False,
-        "Serve requests whose prompt + max_tokens exceed the GPU KV pool, up "
-        "to --context-length, with their KV in the host pool of "
-        "--hicache-size: the model runs them one layer at a time, "
-        "streaming each layer's KV between host and GPU, in steps "
-        "interleaved with the ordinary ones.",
+        "Serve requests whose prompt + max_tokens exceed the GPU KV pool, up to --context-length, with their KV in "
+        "the host pool of --hicache-size: the model runs them one layer at a time, streaming each layer's KV between "
+        "host and GPU, in steps interleaved with the ordinary ones.",
     )
     layerwise_offload_chunk_size: int | None = _flag(
         None, "Tokens of a long prompt per chunk of its layer-at-a-time prefill (default --chunked-prefill-size)."
@@ -103,16 +100,14 @@ class ServerArgs:
     )
     layerwise_offload_buffer_tokens: int | None = _flag(
         None,
-        "Tokens each ring buffer holds (default the context "
-        "length): long requests decode together when their "
+        "Tokens each ring buffer holds (default the context length): long requests decode together when their "
         "contexts fit one buffer side by side.",
     )
     layerwise_offload_units_per_step: int = _flag(
         4,
-        "Bound on a long request's step, in units of one chunk (or one "
-        "decode batch) through one layer: ordinary requests wait at most "
-        "one such step between two of theirs. 0: a whole layer of a "
-        "prefill, a whole decode token.",
+        "Bound on a long request's step, in units of one chunk (or one decode batch) through one layer: ordinary "
+        "requests wait at most one such step between two of theirs. 0: a whole layer of a prefill, a whole decode "
+        "token.",
     )
     # Scheduling
     chunked_prefill_size: int | None = _flag(
@@ -132,20 +127,17 @@ class ServerArgs:
     )
     disable_incremental_decode_batch: bool = _flag(
         False,
-        "Rebuild every decode batch from its requests instead of "
-        "advancing the last one's arrays while the running set "
-        "stays the same (ablation, debugging).",
+        "Rebuild every decode batch from its requests instead of advancing the last one's arrays while the running "
+        "set stays the same (ablation, debugging).",
     )
     disable_radix_cache: bool = _flag(False, "No prefix reuse (ablation).")
     schedule_policy: str = _flag("lpm", "lpm (longest cached prefix first) | fcfs.", choices=["lpm", "fcfs"])
     max_wait_steps: int = _flag(64, "A waiting request older than this many steps goes first (no starvation).")
     enable_priority_scheduling: bool = _flag(
         False,
-        "Admit waiting requests by their `priority` field, higher values "
-        "first (SGLang's order), but one waiting more than "
-        "--max-wait-steps steps before any fresher one (the aging bound). "
-        "Without it a non-zero priority is refused with a 400, as vLLM "
-        "does.",
+        "Admit waiting requests by their `priority` field, higher values first (SGLang's order), but one waiting more "
+        "than --max-wait-steps steps before any fresher one (the aging bound). Without it a non-zero priority is "
+        "refused with a 400, as vLLM does.",
     )
     init_new_token_ratio: float = _flag(0.7, "Initial share of max_new_tokens reserved for decoding at admission.")
     min_new_token_ratio: float = _flag(0.1, "Floor of that share as observed outputs let it shrink.")
@@ -153,16 +145,14 @@ class ServerArgs:
     # Cache control (pins: scheduler_service/cache_control.py; salts: the requests' cache_salt)
     radix_eviction_policy: str = _flag(
         "lru",
-        "Which unlocked cached prefixes go first when KV is needed: lru (least "
-        "recently used) | lfu (fewest hits) | priority (lowest request "
-        "priority, then LRU).",
+        "Which unlocked cached prefixes go first when KV is needed: lru (least recently used) | lfu (fewest hits) | "
+        "priority (lowest request priority, then LRU).",
         choices=["lru", "lfu", "priority"],
     )
     pin_prompts: str | None = _flag(
         None,
-        "JSON-lines file of prompts pinned at start-up, one object a line, as the "
-        "body of POST /v1/cache/pin: messages | prompt | input_ids, optional "
-        "ttl_seconds and cache_salt.",
+        "JSON-lines file of prompts pinned at start-up, one object a line, as the body of POST /v1/cache/pin: "
+        "messages | prompt | input_ids, optional ttl_seconds and cache_salt.",
     )
     max_pinned_tokens: int | None = _flag(
         None,
@@ -249,6 +239,13 @@ class ServerArgs:
         "HTTP port (python -m radixserve.dynamo: its Dynamo system server's, for /health, "
         "/metrics and /engine/control/...).",
     )
+    api_server_count: int = _flag(
+        1,
+        "HTTP front-end processes (as vLLM's --api-server-count): each parses, tokenizes and streams on its own "
+        "event loop, all on --port (the kernel spreads connections over them), one scheduler behind them. /metrics "
+        "and stored /v1/responses are shared; --max-queued-requests and the chat segment cache are per process. "
+        "launch.py only (Engine and the Dynamo worker are one front end).",
+    )
     api_key: str | None = _flag(
         None,
         "If set, every route but /health wants 'Authorization: Bearer <key>'. "
@@ -259,7 +256,7 @@ class ServerArgs:
     max_queued_requests: int = _flag(
         4096,
         "Most sequences in flight before 503 + Retry-After (one request with "
-        "more sequences than this by itself gets a 400).",
+        "more sequences than this by itself gets a 400); per HTTP process with --api-server-count > 1.",
     )
     max_sequences_per_request: int = _flag(
         128, "Most sequences (prompts x n) in one request; more is a 400 (OpenAI's limit on n is 128)."
@@ -267,25 +264,22 @@ class ServerArgs:
     max_header_bytes: int = _flag(64 * 1024, "Largest accepted request line + headers (431 above).")
     tokenizer_workers: int | None = _flag(
         None,
-        "Threads that tokenize prompts and render chat templates, off the "
-        "HTTP event loop (a huge prompt does not stall other clients); they "
-        "encode in parallel, outside the GIL. Default: one per CPU this "
-        "process may use.",
+        "Threads that tokenize prompts and render chat templates, off the HTTP event loop (a huge prompt does not "
+        "stall other clients); they encode in parallel, outside the GIL. Default: one per CPU this process may use "
+        "(in each HTTP process).",
     )
     chat_segment_cache_mib: int = _flag(
         64,
-        "MiB of token ids of chat prompt pieces (each message between the "
-        "template's special tokens) kept by their text, so a repeated system "
-        "prompt or earlier turn is not tokenized again.",
+        "MiB of token ids of chat prompt pieces (each message between the template's special tokens) kept by their "
+        "text, so a repeated system prompt or earlier turn is not tokenized again.",
     )
     disable_chat_segment_cache: bool = _flag(
         False, "Tokenize every chat prompt whole, as rendered, instead of per message with cached pieces (ablation)."
     )
     inline_tokenize_chars: int = _flag(
         2048,
-        "A chat prompt whose pieces are all cached but for at most this many new characters is tokenized on the "
-        "HTTP event loop, not in the tokenizer pool (cheaper than the trip to a pool thread and back); "
-        "0: always the pool.",
+        "A chat prompt whose pieces are all cached but for at most this many new characters is tokenized on the HTTP "
+        "event loop, not in the tokenizer pool (cheaper than the trip to a pool thread and back); 0: always the pool.",
     )
     allowed_origins: str | None = _flag(
         None,
@@ -317,27 +311,23 @@ class ServerArgs:
     # Reasoning models and the Responses API (tokenizer_service/reasoning.py, routes_responses.py)
     reasoning_parser: str | None = _flag(
         None,
-        "Split the <think>...</think> block of a reasoning model from its "
-        "answer: reasoning_content on /v1/chat/completions, a reasoning item "
-        "on /v1/responses (qwen3 | deepseek-r1, the names vLLM and SGLang "
+        "Split the <think>...</think> block of a reasoning model from its answer: reasoning_content on "
+        "/v1/chat/completions, a reasoning item on /v1/responses (qwen3 | deepseek-r1, the names vLLM and SGLang "
         "use). Default: none, the block stays in the content.",
         choices=["qwen3", "deepseek-r1"],
     )
     responses_store_size: int = _flag(
         1024,
-        "Most responses of /v1/responses kept for previous_response_id and GET "
-        "per API key (the oldest go first; each holds its conversation's text "
-        "and last token ids). 0 keeps none.",
+        "Most responses of /v1/responses kept for previous_response_id and GET per API key (the oldest go first; each "
+        "holds its conversation's text and last token ids). 0 keeps none.",
     )
     responses_store_ttl: float = _flag(3600.0, "Seconds a stored response of /v1/responses is kept.")
     # NVIDIA Dynamo backend (python -m radixserve.dynamo: radixserve/dynamo/; README "Scaling out")
     kv_events_block_size: int | None = _flag(
         None,
-        "Publish the radix tree's inserts and evictions as KV events of "
-        "full blocks of this many tokens, chained by parent, for Dynamo's "
-        "KV router (and register it as the model's KV block size). "
-        "Default: 16 under python -m radixserve.dynamo, none under "
-        "launch.py; 0 turns them off.",
+        "Publish the radix tree's inserts and evictions as KV events of full blocks of this many tokens, chained by "
+        "parent, for Dynamo's KV router (and register it as the model's KV block size). Default: 16 under python -m "
+        "radixserve.dynamo, none under launch.py; 0 turns them off.",
     )
     dynamo_namespace: str = _flag("dynamo", "Dynamo namespace the worker registers in.")
     dynamo_component: str = _flag(
@@ -362,9 +352,8 @@ class ServerArgs:
     # Supervision
     watchdog_timeout: float | None = _flag(
         None,
-        "Seconds a busy worker or scheduler may go without progress before "
-        "the server fails its requests and exits (default 300; "
-        "0 disables). The first batch after startup is not timed.",
+        "Seconds a busy worker or scheduler may go without progress before the server fails its requests and exits "
+        "(default 300; 0 disables). The first batch after startup is not timed.",
     )
 
     def __post_init__(self):

@@ -165,9 +165,9 @@ class Engine(EngineBase):
         self._launcher = Launcher(self.args, serve_http=False)
         ep = self._launcher.endpoints
         self._ctx = zmq.Context()
-        # We stand where the tokenizer process stands in the server.
+        # We stand where the tokenizer process stands in the server (front end 0; --api-server-count is launch.py's).
         self._from_scheduler = Channel(
-            self._ctx, zmq.PULL, ep.scheduler_to_tokenizer, bind=True, recv_type=SchedulerToTokenizer
+            self._ctx, zmq.PULL, ep.scheduler_to_front_end(0), bind=True, recv_type=SchedulerToTokenizer
         )
         self._to_scheduler = Channel(self._ctx, zmq.PUSH, ep.tokenizer_to_scheduler, bind=False)
         self._launcher.start()

@@ -161,7 +161,16 @@ SchedulerToWorker = ForwardBatch | Shutdown
 # ---------------------------------------------------------------- tokenizer <-> scheduler
 
 
-class TokenizedRequest(msgspec.Struct, tag=True):
+class FromFrontEnd(msgspec.Struct, kw_only=True):
+    """A message whose reply or outputs go back to the front end that sent it. With --api-server-count N the
+    scheduler has one socket to each of the N HTTP processes (radixserve/runtime/ipc.py); front_end is the sender's
+    index among them. Engine and the Dynamo worker are front end 0, the default. (Keyword-only, so that each
+    message's own fields keep their positions.)"""
+
+    front_end: int = 0
+
+
+class TokenizedRequest(FromFrontEnd, tag=True):
     rid: str
     input_ids: bytes  # int32 prompt tokens
     params: SamplingParams
@@ -175,16 +184,16 @@ class AbortRequest(msgspec.Struct, tag=True):
     rid: str
 
 
-class FlushCacheRequest(msgspec.Struct, tag=True):
+class FlushCacheRequest(FromFrontEnd, tag=True):
     request_id: str
     keep_pins: bool = True  # pinned prefixes survive a flush unless the caller asks to drop them
 
 
-class ServerInfoRequest(msgspec.Struct, tag=True):
+class ServerInfoRequest(FromFrontEnd, tag=True):
     request_id: str
 
 
-class CacheStatsRequest(msgspec.Struct, tag=True):
+class CacheStatsRequest(FromFrontEnd, tag=True):
     """The dashboard's question (GET /v1/cache/stats): answered with a CacheStats."""
 
     request_id: str
@@ -193,7 +202,7 @@ class CacheStatsRequest(msgspec.Struct, tag=True):
 # Pinned prefixes (scheduler_service/cache_control.py; the routes are tokenizer_service/routes_cache.py).
 
 
-class PinPrefixRequest(msgspec.Struct, tag=True):
+class PinPrefixRequest(FromFrontEnd, tag=True):
     """Keep these tokens in the radix tree (computing them first if needed) until unpinned or ttl_seconds pass."""
 
     request_id: str
@@ -202,12 +211,12 @@ class PinPrefixRequest(msgspec.Struct, tag=True):
     ttl_seconds: float | None = None
 
 
-class UnpinPrefixRequest(msgspec.Struct, tag=True):
+class UnpinPrefixRequest(FromFrontEnd, tag=True):
     request_id: str
     pin_id: str
 
 
-class ListPinsRequest(msgspec.Struct, tag=True):
+class ListPinsRequest(FromFrontEnd, tag=True):
     request_id: str
 
 
@@ -252,6 +261,8 @@ class SchedulerLoad(msgspec.Struct, array_like=True):
 
 
 class BatchOutput(msgspec.Struct, tag=True):
+    """One step's outputs for one front end: those of the requests it sent (one message per front end per step)."""
+
     outputs: list[RequestOutput]
     load: SchedulerLoad
 
@@ -269,8 +280,8 @@ class ServerInfo(msgspec.Struct, tag=True):
 
 class EngineFailed(msgspec.Struct, tag=True):
     """A child of launch.py died or hung: the tokenizer fails every request in flight with `reason` and answers
-    /health with 503 from now on. Sent by the launcher on the scheduler_to_tokenizer socket (a PULL takes any
-    number of PUSH peers), so it arrives in the loop that already ends requests."""
+    /health with 503 from now on. Sent by the launcher to every front end on its scheduler_to_front_end socket (a
+    PULL takes any number of PUSH peers), so it arrives in the loop that already ends requests."""
 
     reason: str
 

@@ -4,7 +4,11 @@ takes the scheduler's place on the front end's sockets: each new request goes to
 /v1/cache/stats to all of them (one merged answer), and the pin messages to all of them too: a pin is kept on every
 replica (scheduler_service/dp_pins.py). Replies come back through here so that the router sees which requests
 finished, and the replicas' cache events keep its mirrors of their trees exact; outputs are passed on with the
-server's load (the sum of the replicas') in place of the replica's."""
+server's load (the sum of the replicas') in place of the replica's.
+
+With --api-server-count N each replica's scheduler has N sockets back, one per front end, as without DP: the
+controller binds every one of them and passes what arrives on replica i's socket k to front end k, so the index a
+message carries (FromFrontEnd.front_end) reaches the replica unchanged and the answer finds its way back."""
 
 from __future__ import annotations
 
@@ -87,38 +91,43 @@ class DataParallelController:
         self.from_front = Channel(
             ctx, zmq.PULL, endpoints.tokenizer_to_scheduler, bind=True, recv_type=TokenizerToScheduler
         )
-        self.to_front = Channel(ctx, zmq.PUSH, endpoints.scheduler_to_tokenizer, bind=False)
+        fronts = range(args.api_server_count)
+        self.to_front = [Channel(ctx, zmq.PUSH, endpoints.scheduler_to_front_end(k), bind=False) for k in fronts]
         replicas = [replica_endpoints(endpoints, i) for i in range(args.dp_size)]
         self.to_replicas = [Channel(ctx, zmq.PUSH, ep.tokenizer_to_scheduler, bind=False) for ep in replicas]
-        # Raw sockets: outputs are passed on as the bytes that came in.
-        self.from_replicas = []
-        for ep in replicas:
-            sock = ctx.socket(zmq.PULL)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.bind(ep.scheduler_to_tokenizer)
-            self.from_replicas.append(sock)
+        # (replica, front end) of each socket from a replica; raw sockets, decoded here.
+        self.from_replicas: list[tuple[int, int, zmq.Socket]] = []
+        for i, ep in enumerate(replicas):
+            for k in fronts:
+                sock = ctx.socket(zmq.PULL)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.RCVHWM, 0)
+                sock.bind(ep.scheduler_to_front_end(k))
+                self.from_replicas.append((i, k, sock))
         self.decode = msgspec.msgpack.Decoder(ReplicaToController).decode
         self.router = DataParallelRouter(args.dp_size, args.load_balance_method)
         self.replies: dict[str, dict[int, FlushCacheResult | ServerInfo]] = {}
         self.loads: list[SchedulerLoad | None] = [None] * args.dp_size
         self.pins = ReplicatedPins(args.dp_size)
+        self.poller = zmq.Poller()
+        for sock in [self.from_front.socket, *(sock for _, _, sock in self.from_replicas)]:
+            self.poller.register(sock, zmq.POLLIN)
 
     def run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.from_front.socket, zmq.POLLIN)
-        for sock in self.from_replicas:
-            poller.register(sock, zmq.POLLIN)
         while True:
-            ready = dict(poller.poll())
-            for i, sock in enumerate(self.from_replicas):
-                if sock in ready:
-                    self._from_replica(i, sock)
-            if self.from_front.socket in ready:
+            self.poll()
+
+    def poll(self, timeout_ms: int | None = None) -> None:
+        """Wait for messages from the front ends or the replicas (at most timeout_ms), and pass on what came."""
+        ready = dict(self.poller.poll(timeout_ms))
+        for i, k, sock in self.from_replicas:
+            if sock in ready:
+                self._from_replica(i, k, sock)
+        if self.from_front.socket in ready:
+            message = self.from_front.recv_nowait()
+            while message is not None:
+                self._from_front(message)
                 message = self.from_front.recv_nowait()
-                while message is not None:
-                    self._from_front(message)
-                    message = self.from_front.recv_nowait()
 
     def _from_front(self, message) -> None:
         if isinstance(message, TokenizedRequest):
@@ -129,13 +138,14 @@ class DataParallelController:
             for i in [owner] if owner is not None else range(len(self.to_replicas)):
                 self.to_replicas[i].send(message)
         elif isinstance(message, (PinPrefixRequest, ListPinsRequest, UnpinPrefixRequest)):
-            self._pin_step(*self.pins.from_front(message))
+            self._pin_step(message.front_end, *self.pins.from_front(message))
         elif isinstance(message, (FlushCacheRequest, ServerInfoRequest, CacheStatsRequest)):
             self.replies[message.request_id] = {}
             for channel in self.to_replicas:
                 channel.send(message)
 
-    def _from_replica(self, i: int, sock: zmq.Socket) -> None:
+    def _from_replica(self, i: int, k: int, sock: zmq.Socket) -> None:
+        """What replica i sent on its socket to front end k."""
         while True:
             try:
                 frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
@@ -166,24 +176,24 @@ class DataParallelController:
                         )
                     )
                 )
-                self.to_front.send(message)
+                self.to_front[k].send(message)
             elif isinstance(message, CacheEvents):
                 self.router.replicas[i].apply(message)
             elif isinstance(message, KvBlockEvents):  # for Dynamo's router, which routes to (worker, dp_rank)
                 message.dp_rank = i
-                self.to_front.send(message)
+                self.to_front[k].send(message)
             elif isinstance(message, PinsReply):
-                self._pin_step(*self.pins.from_replica(i, message))
+                self._pin_step(k, *self.pins.from_replica(i, message))
             else:
-                self._gather(i, message)
+                self._gather(i, k, message)
 
-    def _pin_step(self, sends: list, reply: PinsReply | None) -> None:
+    def _pin_step(self, front_end: int, sends: list, reply: PinsReply | None) -> None:
         for i, message in sends:
             self.to_replicas[i].send(message)
         if reply is not None:
-            self.to_front.send(reply)
+            self.to_front[front_end].send(reply)
 
-    def _gather(self, i: int, reply: FlushCacheResult | ServerInfo) -> None:
+    def _gather(self, i: int, front_end: int, reply: FlushCacheResult | ServerInfo | CacheStats) -> None:
         replies = self.replies.get(reply.request_id)
         if replies is None:
             return
@@ -193,17 +203,17 @@ class DataParallelController:
         del self.replies[reply.request_id]
         ordered = [replies[k] for k in range(len(self.to_replicas))]
         if isinstance(reply, CacheStats):
-            merged = merge_cache_stats(reply.request_id, ordered)
+            answer = merge_cache_stats(reply.request_id, ordered)
             for k, r in enumerate(ordered):
-                merged.numbers.update({f"dp{k}_{key}": r.numbers.get(key) for key in PER_REPLICA_CACHE})
-            merged.numbers["dp_size"] = len(ordered)
-            self.to_front.send(merged)
+                answer.numbers.update({f"dp{k}_{key}": r.numbers.get(key) for key in PER_REPLICA_CACHE})
+            answer.numbers["dp_size"] = len(ordered)
         elif isinstance(reply, FlushCacheResult):
             ok = all(r.success for r in ordered)
             why = "; ".join(f"replica {k}: {r.message}" for k, r in enumerate(ordered) if not r.success)
-            self.to_front.send(FlushCacheResult(reply.request_id, ok, why))
+            answer = FlushCacheResult(reply.request_id, ok, why)
         else:
-            self.to_front.send(ServerInfo(reply.request_id, merge_server_info([r.info for r in ordered], self.args)))
+            answer = ServerInfo(reply.request_id, merge_server_info([r.info for r in ordered], self.args))
+        self.to_front[front_end].send(answer)
 
 
 def merge_server_info(infos: list[dict], args: ServerArgs) -> dict:

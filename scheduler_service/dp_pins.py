@@ -55,7 +55,12 @@ class ReplicatedPins:
             if pin is None:
                 return [], PinsReply(message.request_id, 404, f"no pin with id {message.pin_id!r}")
             self._fanouts[message.request_id] = _Fanout(UnpinPrefixRequest, message.pin_id)
-            return [(i, UnpinPrefixRequest(message.request_id, rid)) for i, rid in enumerate(pin.replica_ids)], None
+            # The asker's front end travels on: each replica answers on its socket to that front end.
+            front_end = message.front_end
+            return [
+                (i, UnpinPrefixRequest(message.request_id, rid, front_end=front_end))
+                for i, rid in enumerate(pin.replica_ids)
+            ], None
         if not isinstance(message, (PinPrefixRequest, ListPinsRequest)):
             raise TypeError(f"not a pin message: {type(message).__name__}")
         self._fanouts[message.request_id] = _Fanout(type(message))

@@ -1,5 +1,9 @@
 """The scheduler process: requests in from the tokenizer, batches out to every worker rank, sampled tokens back
-from rank 0, per-request outputs back to the tokenizer. Its tokenizer is used only to decide stop strings."""
+from rank 0, per-request outputs back to the tokenizer. Its tokenizer is used only to decide stop strings.
+
+With --api-server-count N there are N tokenizer processes (front ends): they all send on one socket, and each has
+its own socket back. A request's outputs, and the reply to a control message, go to the front end that sent it
+(FromFrontEnd.front_end): one BatchOutput per front end per step."""
 
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from scheduler_service.executor import WorkerProcessesExecutor
 from scheduler_service.request import Req
 from scheduler_service.scheduler import KVInvariantError, Scheduler
 from scheduler_service.step_loop import make_step_loop
-from scheduler_service.step_output import StepOutput, messages
+from scheduler_service.step_output import StepOutput, per_front_end
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +57,10 @@ class SchedulerProcess:
         self.from_tokenizer = Channel(
             ctx, zmq.PULL, endpoints.tokenizer_to_scheduler, bind=True, recv_type=TokenizerToScheduler
         )
-        self.to_tokenizer = Channel(ctx, zmq.PUSH, endpoints.scheduler_to_tokenizer, bind=False)
+        self.to_front_ends = [
+            Channel(ctx, zmq.PUSH, endpoints.scheduler_to_front_end(i), bind=False)
+            for i in range(args.api_server_count)
+        ]
         self.to_workers = [
             Channel(ctx, zmq.PUSH, endpoints.scheduler_to_worker(r), bind=True) for r in range(args.tp_size)
         ]
@@ -82,6 +89,7 @@ class SchedulerProcess:
         self.spin_s = spin_s
         self.spin_next_wait = False
         self.cache_control = CacheControl(self.scheduler, args.max_pinned_tokens)  # pinned prefixes
+        self.pin_askers: dict[str, int] = {}  # request_id -> front end, of pins whose prefix is being computed
         self.last_invariant_check = 0.0
         self.invariant_ok = True
         # --dp-size > 1: the DP controller mirrors this tree from its insert/evict events.
@@ -133,6 +141,7 @@ class SchedulerProcess:
             req = Req(message.rid, unpack_i32(message.input_ids), message.params, message.arrival_time)
             req.cache_salt = message.cache_salt
             req.priority = message.priority
+            req.front_end = message.front_end
             try:
                 self.scheduler.add_request(req)
             except ValueError as e:
@@ -143,15 +152,16 @@ class SchedulerProcess:
         elif isinstance(message, FlushCacheRequest):
             ok = self.scheduler.flush_cache(keep_pins=message.keep_pins)
             self._report_cache_events()
-            self.to_tokenizer.send(
+            self.to_front_ends[message.front_end].send(
                 FlushCacheResult(message.request_id, ok, "" if ok else "requests are running; flush when idle")
             )
         elif isinstance(message, (PinPrefixRequest, UnpinPrefixRequest, ListPinsRequest)):
+            self.pin_askers[message.request_id] = message.front_end
             self._send_pin_replies([self.cache_control.handle(message)])
         elif isinstance(message, ServerInfoRequest):
-            self.to_tokenizer.send(ServerInfo(message.request_id, self._server_info()))
+            self.to_front_ends[message.front_end].send(ServerInfo(message.request_id, self._server_info()))
         elif isinstance(message, CacheStatsRequest):
-            self.to_tokenizer.send(cache_stats(self.scheduler, message.request_id))
+            self.to_front_ends[message.front_end].send(cache_stats(self.scheduler, message.request_id))
 
     def _server_info(self) -> dict:
         s = self.scheduler
@@ -186,13 +196,13 @@ class SchedulerProcess:
     def _send_pin_replies(self, replies: list[PinsReply | None]) -> None:
         for reply in replies:
             if reply is not None:  # None: the prefix is being computed; the reply follows when it is
-                self.to_tokenizer.send(reply)
+                self.to_front_ends[self.pin_askers.pop(reply.request_id, 0)].send(reply)
 
     def _report_cache_events(self) -> None:
         for log in (self.cache_events, self.kv_events):
             message = log.take() if log is not None else None
-            if message is not None:
-                self.to_tokenizer.send(message)
+            if message is not None:  # the DP controller's or Dynamo's, both on front end 0's socket
+                self.to_front_ends[0].send(message)
 
     def _check_invariant_at_idle(self) -> None:
         now = time.monotonic()
@@ -215,7 +225,8 @@ class SchedulerProcess:
         load = SchedulerLoad(
             s.num_running, len(s.waiting), usage["protected"] + usage["owned"], usage["evictable"], usage["total"]
         )
-        self.to_tokenizer.send(BatchOutput(messages(outputs), load))
+        for i, batch in per_front_end(outputs, len(self.to_front_ends)):
+            self.to_front_ends[i].send(BatchOutput(batch, load))
 
     def shutdown(self) -> None:
         for channel in self.to_workers:

@@ -44,6 +44,8 @@ class Req:
         self.cache_salt: str | None = None
         # Admission order under --enable-priority-scheduling: higher first, within the aging bound (policy.py).
         self.priority = 0
+        # The front end that sent it (--api-server-count): its outputs go back to that one only.
+        self.front_end = 0
         # params.prompt_logprobs: per prompt position, its TokenLogprobs once computed (position 0 has none).
         self.prompt_logprobs: list | None = (
             [None] * len(self.prompt_ids) if params.prompt_logprobs is not None else None

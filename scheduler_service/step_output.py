@@ -1,4 +1,4 @@
-"""What one step produced for one request (StepOutput), and its message on the socket to the front end."""
+"""What one step produced for one request (StepOutput), and its message on the socket to its front end."""
 
 from __future__ import annotations
 
@@ -61,3 +61,17 @@ def messages(outputs: list[StepOutput]) -> list[RequestOutput]:
     """The front end's message of each output (what a BatchOutput carries). Most outputs of a decode step carry theirs
     already: read as an attribute, not through a method call per output."""
     return [out.message or out.to_message() for out in outputs]
+
+
+def per_front_end(outputs: list[StepOutput], count: int) -> list[tuple[int, list[RequestOutput]]]:
+    """A step's messages split by the front end each request came from (--api-server-count): (index, messages) for
+    each front end that has any, so that each gets one BatchOutput a step with only its own requests. With one front
+    end nothing is looked at per request."""
+    if not outputs:
+        return []
+    if count == 1:
+        return [(0, messages(outputs))]
+    split: list[list[RequestOutput]] = [[] for _ in range(count)]
+    for out in outputs:
+        split[out.req.front_end].append(out.message or out.to_message())
+    return [(i, batch) for i, batch in enumerate(split) if batch]

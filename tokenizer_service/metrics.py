@@ -10,13 +10,22 @@ them as they are, counters included, rather than re-counting them here.
 
 Each server owns its own CollectorRegistry rather than prometheus-client's global one, so that several apps can
 live in one Python process (tests) without "duplicated timeseries" errors.
+
+With --api-server-count > 1 (`shared_dir`) every front end writes its values to prometheus-client's multiprocess
+files (PROMETHEUS_MULTIPROC_DIR, set by the launcher before prometheus-client is imported) and /metrics merges every
+process's files, so any front end reports the whole server: counters and histograms summed, requests in flight
+summed, the scheduler's gauges as most recently reported by any front end. Which front end took how many requests is
+radixserve:api_server_requests_total{api_server=...}.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, values
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.utils import floatToGoString
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (re-exported for the /metrics route)
 
@@ -31,8 +40,15 @@ E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
+SHARED_SYNC_S = 1.0  # with several front ends, how often each one writes its chat segment cache's numbers
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, api_server: int = 0, shared_dir: str | None = None):
+        """api_server: this front end's index; shared_dir: the multiprocess directory, with several front ends."""
+        if shared_dir is not None and not getattr(values.ValueClass, "_multiprocess", False):
+            raise RuntimeError("PROMETHEUS_MULTIPROC_DIR must be set before prometheus_client is imported")
+        self.shared_dir = shared_dir
         self.registry = CollectorRegistry()
         labels = {"model_name": model_name}
         r = self.registry
@@ -43,8 +59,10 @@ class ServerMetrics:
         def counter(name, doc):
             return Counter(PREFIX + name, doc, list(labels), registry=r).labels(**labels)
 
-        def gauge(name, doc):
-            return Gauge(PREFIX + name, doc, list(labels), registry=r).labels(**labels)
+        def gauge(name, doc, merged="mostrecent"):
+            # merged: how several front ends' values combine (ignored with one): the scheduler's numbers as last
+            # reported, or a sum of the front ends' own
+            return Gauge(PREFIX + name, doc, list(labels), registry=r, multiprocess_mode=merged).labels(**labels)
 
         # Observed per token, so fed once per scheduler batch (request_manager._on_batch).
         self.time_to_first_token = BatchHistogram(
@@ -52,12 +70,14 @@ class ServerMetrics:
             "From request receipt to the first generated token.",
             TTFT_BUCKETS,
             model_name,
+            shared=shared_dir is not None,
         )
         self.inter_token_latency = BatchHistogram(
             PREFIX + "inter_token_latency_seconds",
             "Between consecutive generated tokens of one sequence.",
             ITL_BUCKETS,
             model_name,
+            shared=shared_dir is not None,
         )
         r.register(self.time_to_first_token)
         r.register(self.inter_token_latency)
@@ -78,9 +98,15 @@ class ServerMetrics:
             registry=r,
         )
         self._model_name = model_name
+        self.api_server_requests = Counter(
+            PREFIX + "api_server_requests",
+            "Generating requests taken by each HTTP front end (--api-server-count).",
+            ["model_name", "api_server"],
+            registry=r,
+        ).labels(model_name=model_name, api_server=str(api_server))
 
         self.num_requests_in_flight = gauge(
-            "num_requests_in_flight", "Sequences submitted by the HTTP front end and not finished."
+            "num_requests_in_flight", "Sequences submitted by the HTTP front ends and not finished.", merged="sum"
         )
         self.num_running = gauge("num_running_reqs", "Sequences holding KV in the scheduler (decoding or prefilling).")
         self.num_waiting = gauge("num_waiting_reqs", "Sequences queued in the scheduler.")
@@ -91,24 +117,36 @@ class ServerMetrics:
 
         # --dp-size > 1: the same per replica (label dp_rank), from /server_info's dp<i>_ numbers.
         replica_labels = ["model_name", "dp_rank"]
+        recent = {"registry": r, "multiprocess_mode": "mostrecent"}
         self._replica_running = Gauge(
-            PREFIX + "replica_num_running_reqs", "Sequences holding KV in one replica.", replica_labels, registry=r
+            PREFIX + "replica_num_running_reqs", "Sequences holding KV in one replica.", replica_labels, **recent
         )
         self._replica_waiting = Gauge(
-            PREFIX + "replica_num_waiting_reqs", "Sequences queued in one replica.", replica_labels, registry=r
+            PREFIX + "replica_num_waiting_reqs", "Sequences queued in one replica.", replica_labels, **recent
         )
         self._replica_cached = Gauge(
             PREFIX + "replica_cached_prompt_tokens",
             "Prompt tokens one replica served from its radix cache so far.",
             replica_labels,
-            registry=r,
+            **recent,
         )
         self.cache = CacheMetrics(model_name)
         r.register(self.cache)
+        self.segments: SegmentCacheMetrics | None = None
 
     def watch_segment_cache(self, cache) -> None:
-        """The tokenizer's cache of chat prompt pieces (tokenizer_service/segment_cache.py), read at each scrape."""
-        self.registry.register(SegmentCacheMetrics(self._model_name, cache))
+        """The tokenizer's cache of chat prompt pieces (tokenizer_service/segment_cache.py), read at each scrape (with
+        several front ends, written to the shared files every SHARED_SYNC_S by sync_shared_loop and at a scrape)."""
+        self.segments = SegmentCacheMetrics(self._model_name, cache, self.registry if self.shared_dir else None)
+        if self.shared_dir is None:
+            self.registry.register(self.segments)
+
+    async def sync_shared_loop(self) -> None:
+        """Several front ends: what a scrape of another front end cannot read from this process's memory."""
+        while True:
+            await asyncio.sleep(SHARED_SYNC_S)
+            if self.segments is not None:
+                self.segments.sync()
 
     def update_cache(self, info: dict) -> None:
         """The scheduler's cache numbers, from a /server_info answer."""
@@ -135,7 +173,14 @@ class ServerMetrics:
         self.kv_cache_usage.set(load.kv_slots_used / load.kv_slots_total if load.kv_slots_total else 0.0)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        if self.segments is not None:
+            self.segments.sync()
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, self.shared_dir)  # every front end's files, this one's included
+        merged.register(self.cache)  # the scheduler's own totals, as this front end just asked for them
+        return generate_latest(merged)
 
 
 # (metric name, kind, the scheduler's number, help); counters get "_total" appended by prometheus-client.
@@ -175,16 +220,37 @@ class BatchHistogram:
     (128 streams: a few hundred microseconds a step on the event loop); this costs a C bisect per value. Only the
     event loop writes it, and a scrape reads whole integers, so no lock is needed."""
 
-    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str):
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...], model_name: str, shared: bool = False):
         self.name, self.doc, self.model_name = name, doc, model_name
         self.bounds = list(buckets)
         self.counts = [0] * (len(buckets) + 1)  # the last: above every bound (+Inf)
         self.sum = 0.0
+        # Several front ends: each batch's counts also go to this process's multiprocess file, as prometheus-client's
+        # own Histogram writes its buckets there (per observation; here per touched bucket of a batch).
+        self._shared = None
+        if shared:
+            labels = ["model_name", "le"]
+            self._shared = [
+                values.ValueClass("histogram", name, name + "_bucket", labels, [model_name, floatToGoString(b)], doc)
+                for b in [*self.bounds, float("inf")]
+            ]
+            self._shared_sum = values.ValueClass("histogram", name, name + "_sum", ["model_name"], [model_name], doc)
 
     def observe_many(self, values: list[float]) -> None:
         counts, bounds = self.counts, self.bounds
-        for value in values:
-            counts[bisect.bisect_left(bounds, value)] += 1
+        if self._shared is None:
+            for value in values:
+                counts[bisect.bisect_left(bounds, value)] += 1
+        else:
+            added: dict[int, int] = {}
+            for value in values:
+                i = bisect.bisect_left(bounds, value)
+                added[i] = added.get(i, 0) + 1
+            for i, n in added.items():
+                counts[i] += n
+                self._shared[i].inc(n)
+            if values:
+                self._shared_sum.inc(sum(values))
         self.sum += sum(values)
 
     def collect(self):
@@ -229,22 +295,43 @@ class CacheMetrics:
             yield evicted
 
 
-class SegmentCacheMetrics:
-    """A collector of the chat piece cache's numbers: pieces found and encoded, and the bytes it holds."""
+SEGMENT_METRICS = (
+    ("chat_segment_cache_hits", "counter", "hits", "Chat prompt pieces whose ids were cached."),
+    ("chat_segment_cache_misses", "counter", "misses", "Chat prompt pieces encoded (not cached)."),
+    ("chat_segment_cache_evictions", "counter", "evictions", "Pieces dropped to stay in budget."),
+    ("chat_segment_cache_bytes", "gauge", "bytes", "Estimated bytes the cached pieces hold."),
+)
 
-    def __init__(self, model_name: str, cache):
+
+class SegmentCacheMetrics:
+    """A collector of the chat piece cache's numbers: pieces found and encoded, and the bytes it holds. With several
+    front ends (shared_registry given) each process's cache is its own: sync() writes its numbers as counters and a
+    summed gauge of the multiprocess files instead, which /metrics adds up over the front ends."""
+
+    def __init__(self, model_name: str, cache, shared_registry: CollectorRegistry | None = None):
         self.model_name, self.cache = model_name, cache
+        self._shared: dict[str, Counter | Gauge] = {}
+        self._written: dict[str, int] = {}
+        for name, kind, attr, doc in SEGMENT_METRICS if shared_registry is not None else ():
+            if kind == "counter":
+                metric = Counter(PREFIX + name, doc, ["model_name"], registry=shared_registry)
+            else:
+                metric = Gauge(PREFIX + name, doc, ["model_name"], registry=shared_registry, multiprocess_mode="sum")
+            self._shared[attr], self._written[attr] = metric.labels(model_name), 0
+
+    def sync(self) -> None:
+        for attr, metric in self._shared.items():
+            value = getattr(self.cache, attr)
+            if isinstance(metric, Gauge):
+                metric.set(value)
+            elif value > self._written[attr]:
+                metric.inc(value - self._written[attr])
+            self._written[attr] = value
 
     def collect(self):
-        cache = self.cache
-        for name, kind, value, doc in (
-            ("chat_segment_cache_hits", "counter", cache.hits, "Chat prompt pieces whose ids were cached."),
-            ("chat_segment_cache_misses", "counter", cache.misses, "Chat prompt pieces encoded (not cached)."),
-            ("chat_segment_cache_evictions", "counter", cache.evictions, "Pieces dropped to stay in budget."),
-            ("chat_segment_cache_bytes", "gauge", cache.bytes, "Estimated bytes the cached pieces hold."),
-        ):
+        for name, kind, attr, doc in SEGMENT_METRICS:
             family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
                 PREFIX + name, doc, labels=["model_name"]
             )
-            family.add_metric([self.model_name], value)
+            family.add_metric([self.model_name], getattr(self.cache, attr))
             yield family

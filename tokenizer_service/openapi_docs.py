@@ -148,6 +148,8 @@ class ServerInfo(BaseModel):
     context_len: int
     vocab_size: int
     num_requests_in_flight: int
+    api_server_count: int
+    api_server_index: int
     server_args: dict[str, Any]
 
 

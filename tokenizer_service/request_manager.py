@@ -81,8 +81,12 @@ class RequestManager:
         max_in_flight: int,
         engine_dead_s: float = ENGINE_DEAD_S,
         max_per_request: int | None = None,
+        front_end: int = 0,
     ):
-        """max_in_flight: --max-queued-requests; max_per_request: --max-sequences-per-request (None: no cap)."""
+        """max_in_flight: --max-queued-requests; max_per_request: --max-sequences-per-request (None: no cap);
+        front_end: this process's index among --api-server-count (every message says it, the scheduler answers on
+        this front end's own socket)."""
+        self.front_end = front_end
         self.tokenizer = tokenizer
         self.metrics = metrics
         self._ttfts: list[float] = []  # per-token figures of the batch being handled (_on_batch)
@@ -109,7 +113,11 @@ class RequestManager:
         self._ctx = zmq.asyncio.Context()
         self._to_scheduler = AsyncChannel(self._ctx, zmq.PUSH, self._endpoints.tokenizer_to_scheduler, bind=False)
         self._from_scheduler = AsyncChannel(
-            self._ctx, zmq.PULL, self._endpoints.scheduler_to_tokenizer, bind=True, recv_type=SchedulerToTokenizer
+            self._ctx,
+            zmq.PULL,
+            self._endpoints.scheduler_to_front_end(self.front_end),
+            bind=True,
+            recv_type=SchedulerToTokenizer,
         )
         self._tasks = [
             asyncio.create_task(self._receive_loop(), name="scheduler-receive"),
@@ -171,6 +179,7 @@ class RequestManager:
                 f"The server is overloaded: {self.num_in_flight} sequences in flight and this request adds "
                 f"{wanted}, above the limit of {self.max_in_flight} (--max-queued-requests). Retry later."
             )
+        self.metrics.api_server_requests.inc()
         arrival = time.monotonic() if arrival is None else arrival
         wall_arrival = time.time() - (time.monotonic() - arrival)
         group = RequestGroup(request_id, self)
@@ -195,6 +204,7 @@ class RequestManager:
                     wall_arrival,
                     priority=priority,
                     cache_salt=cache_salt,
+                    front_end=self.front_end,
                 )
             )
         self.metrics.num_requests_in_flight.set(self.num_in_flight)
@@ -290,7 +300,7 @@ class RequestManager:
         future = asyncio.get_running_loop().create_future()
         self._replies[request_id] = future
         try:
-            self._to_scheduler.send(message_type(request_id, **fields))
+            self._to_scheduler.send(message_type(request_id, front_end=self.front_end, **fields))
             return await asyncio.wait_for(future, timeout)
         finally:
             self._replies.pop(request_id, None)
@@ -358,4 +368,4 @@ class RequestManager:
                 self.fail_all(f"The engine stopped responding (no message from the scheduler for {silence:.0f} s)")
             elif silence > STALL_PING_S:
                 # Any reply counts as a sign of life (it updates last_heard); nobody waits on this one.
-                self._to_scheduler.send(ServerInfoRequest(f"watchdog-{uuid.uuid4().hex}"))
+                self._to_scheduler.send(ServerInfoRequest(f"watchdog-{uuid.uuid4().hex}", front_end=self.front_end))

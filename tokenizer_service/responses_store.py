@@ -10,16 +10,28 @@ Each entry keeps its whole conversation (messages, without the instructions, whi
 than a link to the previous entry, so a chain of turns survives the eviction of its early turns; and the last turn's
 prompt and output token ids, packed, so that the next turn's prompt can start with exactly those tokens and find
 them in the radix cache (responses_prompt.py).
+
+The entries live in sqlite (the standard library's), as msgpack: in memory with one front end; with several
+(--api-server-count) in one file of the server's private run directory that every front end opens, since a follow-up
+may land on another process than its previous turn. Their ages are CLOCK_MONOTONIC readings, one clock for every
+process of the machine. A write to the shared file can wait a moment for another front end's write, so the routes
+call the store through run(), which takes it off the event loop then.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import sqlite3
+import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
+
+RESPONSES_DB = "responses.sqlite"  # with several front ends, in the server's private run directory
+BUSY_TIMEOUT_S = 5.0  # the longest a write waits for another front end's (each takes well under a millisecond)
 
 
 @dataclass
@@ -53,38 +65,70 @@ def owner_of(authorization: str | None, api_key: str | None) -> str:
 
 
 class ResponseStore:
-    def __init__(self, max_per_owner: int, ttl_s: float, clock=time.monotonic):
-        self.max_per_owner, self.ttl_s, self.clock = max_per_owner, ttl_s, clock
-        self._by_owner: dict[str, OrderedDict[str, StoredResponse]] = {}  # oldest first
+    def __init__(self, max_per_owner: int, ttl_s: float, clock=time.monotonic, path: str = ":memory:"):
+        self.max_per_owner, self.ttl_s, self.clock, self.path = max_per_owner, ttl_s, clock, path
+        # One connection, used by one thread at a time (the lock): the event loop's, or a worker thread of run().
+        self._db = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+        self._lock = threading.Lock()
+        if path != ":memory:":
+            # Readers never wait for a writer; the file goes with the server, so nothing is synced to disk.
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=OFF")
+        # seq orders an owner's entries by age (the oldest go first past max_per_owner).
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE NOT NULL,"
+            " owner TEXT NOT NULL, cache_salt TEXT, created REAL NOT NULL, entry BLOB NOT NULL)"
+        )
+        self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_owner ON responses (owner, seq)")
+        self._db.execute("CREATE INDEX IF NOT EXISTS responses_by_age ON responses (created)")
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(StoredResponse).decode
+
+    async def run(self, method, *args):
+        """method(*args): at once in memory (nothing to wait for), in a thread with a file other front ends write."""
+        if self.path == ":memory:":
+            return method(*args)
+        return await asyncio.to_thread(method, *args)
 
     def __len__(self) -> int:
-        return sum(len(entries) for entries in self._by_owner.values())
-
-    def _expire(self, owner: str) -> OrderedDict[str, StoredResponse]:
-        entries = self._by_owner.get(owner, OrderedDict())
-        deadline = self.clock() - self.ttl_s
-        while entries and next(iter(entries.values())).created <= deadline:
-            entries.popitem(last=False)
-        return entries
+        with self._lock:
+            (count,) = self._db.execute(
+                "SELECT COUNT(*) FROM responses WHERE created > ?", (self.clock() - self.ttl_s,)
+            ).fetchone()
+        return count
 
     def put(self, entry: StoredResponse) -> None:
         if self.max_per_owner == 0:
             return
         entry.created = self.clock()
-        entries = self._by_owner.setdefault(entry.owner, self._expire(entry.owner))
-        entries[entry.id] = entry
-        while len(entries) > self.max_per_owner:
-            entries.popitem(last=False)
+        with self._lock, self._db:  # one transaction: the bounds hold whenever another front end reads
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("DELETE FROM responses WHERE created <= ?", (entry.created - self.ttl_s,))
+            self._db.execute(
+                "INSERT OR REPLACE INTO responses (id, owner, cache_salt, created, entry) VALUES (?, ?, ?, ?, ?)",
+                (entry.id, entry.owner, entry.cache_salt, entry.created, self._encode(entry)),
+            )
+            self._db.execute(
+                "DELETE FROM responses WHERE owner = ? AND seq <= (SELECT seq FROM responses WHERE owner = ?"
+                " ORDER BY seq DESC LIMIT 1 OFFSET ?)",
+                (entry.owner, entry.owner, self.max_per_owner),
+            )
 
     def get(self, owner: str, cache_salt: str | None, response_id: str) -> StoredResponse | None:
-        entries = self._expire(owner)
-        if not entries:
-            self._by_owner.pop(owner, None)
-        entry = entries.get(response_id)
-        return entry if entry is not None and entry.cache_salt == cache_salt else None
+        with self._lock:
+            row = self._db.execute(
+                "SELECT entry FROM responses WHERE id = ? AND owner = ? AND cache_salt IS ? AND created > ?",
+                (response_id, owner, cache_salt, self.clock() - self.ttl_s),
+            ).fetchone()
+        return None if row is None else self._decode(row[0])
 
     def delete(self, owner: str, cache_salt: str | None, response_id: str) -> bool:
-        if self.get(owner, cache_salt, response_id) is None:
-            return False
-        del self._by_owner[owner][response_id]
-        return True
+        with self._lock:
+            deleted = self._db.execute(
+                "DELETE FROM responses WHERE id = ? AND owner = ? AND cache_salt IS ? AND created > ?",
+                (response_id, owner, cache_salt, self.clock() - self.ttl_s),
+            ).rowcount
+        return deleted > 0
+
+    def close(self) -> None:
+        self._db.close()

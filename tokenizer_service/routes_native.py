@@ -98,7 +98,10 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
                 "model_dir": ctx.model_dir,
                 "context_len": ctx.context_len,
                 "vocab_size": ctx.vocab_size,
-                "num_requests_in_flight": ctx.manager.num_in_flight,
+                "num_requests_in_flight": ctx.manager.num_in_flight,  # this front end's
+                # --api-server-count: which of the HTTP processes answered (each binds the port; the kernel picks)
+                "api_server_count": ctx.args.api_server_count,
+                "api_server_index": ctx.api_server_index,
                 "server_args": args,
             }
         )

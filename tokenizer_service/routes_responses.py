@@ -8,7 +8,8 @@ tokens by responses_prompt.py), structured outputs and tool calls (structured_ou
 
 Stored responses (responses_store.py) belong to the API key and the cache_salt they were made with: GET, DELETE and
 previous_response_id take the salt (a query parameter for GET and DELETE) and answer 404 for another's, as for an
-unknown or expired id.
+unknown or expired id. With several front ends (--api-server-count) they share one store, so a follow-up finds its
+previous turn whichever front end takes it.
 """
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ class Turn:
 
 
 def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
-    store = ResponseStore(ctx.args.responses_store_size, ctx.args.responses_store_ttl)
+    store = ResponseStore(ctx.args.responses_store_size, ctx.args.responses_store_ttl, path=ctx.responses_db)
     end_token_id = ctx.reasoning.end_token_id if ctx.reasoning is not None else None
 
-    def lookup(request: Request, response_id: str, cache_salt: str | None, param: str | None) -> StoredResponse:
+    async def lookup(request: Request, response_id: str, cache_salt: str | None, param: str | None) -> StoredResponse:
         check_cache_salt(ctx, cache_salt)
-        entry = store.get(owner_of(request.headers.get("authorization"), ctx.args.api_key), cache_salt, response_id)
+        owner = owner_of(request.headers.get("authorization"), ctx.args.api_key)
+        entry = await store.run(store.get, owner, cache_salt, response_id)
         if entry is None:
             raise RequestError(
                 f"No response with id '{response_id}' is stored here (unknown, expired, deleted or "
@@ -96,7 +98,7 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
         except ValueError as e:
             raise RequestError(str(e), param="cache_salt") from None
 
-    def finish(turn: Turn, items: list[dict], token_ids: list[int], finish_reason: str | None, usage) -> dict:
+    async def finish(turn: Turn, items: list[dict], token_ids: list[int], finish_reason: str | None, usage) -> dict:
         """The finished response, stored when the request asked for it."""
         status, incomplete = status_of(finish_reason)
         message = conversation_message(items)
@@ -111,7 +113,8 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
             incomplete,
         )
         if turn.req.store:
-            store.put(
+            await store.run(
+                store.put,
                 StoredResponse(
                     turn.id,
                     turn.owner,
@@ -120,7 +123,7 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
                     turn.conversation + [message],
                     pack_ids(turn.prompt_ids),
                     pack_ids(token_ids),
-                )
+                ),
             )
         return body
 
@@ -144,7 +147,7 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
                 finish_reason = reason
         for event in events.close():  # the last item first: the finished response lists it
             yield event
-        for event in events.complete(finish(turn, events.items, token_ids, finish_reason, group.usage())):
+        for event in events.complete(await finish(turn, events.items, token_ids, finish_reason, group.usage())):
             yield event
 
     @app.post("/v1/responses", **documented(ResponsesRequest, OPENAI_RESPONSES["responses"]))
@@ -153,7 +156,7 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
         req = await parse_body(request, ResponsesRequest)
         check_model(ctx, req.model)
         previous = (
-            lookup(request, req.previous_response_id, req.cache_salt, "previous_response_id")
+            await lookup(request, req.previous_response_id, req.cache_salt, "previous_response_id")
             if req.previous_response_id is not None
             else None
         )
@@ -178,16 +181,16 @@ def add_responses_routes(app: FastAPI, ctx: ServingContext) -> None:
             return EventStreamResponse(stream(turn, group), group)
         result = (await collect(request, group))[0]
         message, finish_reason = reply.message(result.text, result.finish_reason)
-        return JSONResponse(finish(turn, output_items(message), result.token_ids, finish_reason, group.usage()))
+        return JSONResponse(await finish(turn, output_items(message), result.token_ids, finish_reason, group.usage()))
 
     @app.get("/v1/responses/{response_id}", **documented(None, OPENAI_RESPONSES["response"]))
     async def get_response(request: Request, response_id: str, cache_salt: str | None = None):
-        return JSONResponse(lookup(request, response_id, query_salt(cache_salt), None).body)
+        return JSONResponse((await lookup(request, response_id, query_salt(cache_salt), None)).body)
 
     @app.delete("/v1/responses/{response_id}", **documented(None, OPENAI_RESPONSES["response_deleted"]))
     async def delete_response(request: Request, response_id: str, cache_salt: str | None = None):
-        entry = lookup(request, response_id, query_salt(cache_salt), None)
-        store.delete(entry.owner, entry.cache_salt, entry.id)
+        entry = await lookup(request, response_id, query_salt(cache_salt), None)
+        await store.run(store.delete, entry.owner, entry.cache_salt, entry.id)
         return JSONResponse({"id": entry.id, "object": "response.deleted", "deleted": True})
 
 

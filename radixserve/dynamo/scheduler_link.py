@@ -56,7 +56,7 @@ class SchedulerLink:
         endpoints = self.launcher.endpoints
         # Bound before the scheduler starts: its first messages must find us (a PUSH queues until then).
         self.from_scheduler = AsyncChannel(
-            self.ctx, zmq.PULL, endpoints.scheduler_to_tokenizer, bind=True, recv_type=SchedulerToTokenizer
+            self.ctx, zmq.PULL, endpoints.scheduler_to_front_end(0), bind=True, recv_type=SchedulerToTokenizer
         )
         self.to_scheduler = AsyncChannel(self.ctx, zmq.PUSH, endpoints.tokenizer_to_scheduler, bind=False)
         self.streams: dict[str, asyncio.Queue] = {}

@@ -35,9 +35,10 @@ class Endpoints:
     def tokenizer_to_scheduler(self) -> str:
         return self._at("tokenizer_to_scheduler")
 
-    @property
-    def scheduler_to_tokenizer(self) -> str:
-        return self._at("scheduler_to_tokenizer")
+    def scheduler_to_front_end(self, index: int = 0) -> str:
+        # One per front end (--api-server-count): each HTTP process gets only its own requests' outputs and replies.
+        # The other way, one PULL takes every front end's PUSH (tokenizer_to_scheduler).
+        return self._at(f"scheduler_to_front_end_{index}")
 
     def scheduler_to_worker(self, rank: int) -> str:
         # One PUSH per rank rather than PUB/SUB: a PUSH queues until its peer connects, a PUB drops.

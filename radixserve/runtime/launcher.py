@@ -1,8 +1,9 @@
 """Starts and supervises the engine's processes: one worker per tensor-parallel rank, the scheduler, and (for the
 HTTP server) the tokenizer process. Used by launch.py and by the offline Engine. Children report ready or failed
 over a socket; any child's death is noticed and reported with its reason, and so is a hang (--watchdog-timeout:
-heartbeats stop, or a busy child's progress count stands still). The HTTP process is told at once (EngineFailed),
-so /health turns 503 and every request in flight ends with the reason."""
+heartbeats stop, or a busy child's progress count stands still). The HTTP processes (--api-server-count of them,
+radixserve/runtime/front_ends.py) are told at once (EngineFailed), so /health turns 503 and every request in flight
+ends with the reason."""
 
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ import zmq
 
 from radixserve.config import ServerArgs
 from radixserve.runtime.data_parallel import replica_endpoints, replica_gpus
+from radixserve.runtime.front_ends import FrontEndLinks, front_end_env, front_end_name, is_front_end
 from radixserve.runtime.heartbeat import heartbeat_interval
 from radixserve.runtime.ipc import Channel, Endpoints, make_ipc_dir
 from radixserve.runtime.node_keys import SECRET_ENV, read_secret
 from radixserve.runtime.node_link import BEAT_INTERVAL_S, NodeLinks, Peer, is_loopback, ranks_on_node
 from radixserve.runtime.preflight import LaunchError, check_before_launch
 from radixserve.runtime.process_util import child_argv, write_child_config
-from radixserve.protocol import EngineFailed
 from radixserve.runtime.supervision_messages import ChildToLauncher, Heartbeat, ProcessFailed, ProcessReady
 
 READY_TIMEOUT_S = 900
@@ -150,6 +151,8 @@ class Launcher:
             args.served_model_name = DEMO_MODEL_NAME
         if serve_http:
             resolve_api_key(args)
+        elif args.api_server_count > 1:
+            raise LaunchError("--api-server-count is launch.py's: Engine and the Dynamo worker are one front end")
         if args.watchdog_timeout is None:
             args.watchdog_timeout = WATCHDOG_DEFAULT_S[args.device]
         if args.watchdog_timeout < 0:
@@ -160,13 +163,9 @@ class Launcher:
         self.config_files = [self.config_file]
         self.ctx = zmq.Context()
         self.inbox = Channel(self.ctx, zmq.PULL, self.endpoints.launcher, bind=True, recv_type=ChildToLauncher)
-        # PUSH queues until the tokenizer binds, so EngineFailed reaches it even from early on.
-        self.to_tokenizer = (
-            Channel(self.ctx, zmq.PUSH, self.endpoints.scheduler_to_tokenizer, bind=False) if serve_http else None
-        )
+        self.front_ends = FrontEndLinks(self.ctx, self.endpoints, args.api_server_count if serve_http else 0)
         self.children: list[Child] = []
         self.stop_requested = False
-        self.tokenizer_told = False
         self.links: NodeLinks | None = None  # multi-node: the links to the other nodes' launchers
         self.stop_reason: str | None = None  # why the server is going down, once a child or node has failed
 
@@ -196,7 +195,10 @@ class Launcher:
                 self._spawn_group(replica, config_file, f"dp{i}-", i)
             self.spawn("dp-controller", "scheduler_service.dp_controller")
         if self.serve_http:
-            self.spawn("tokenizer", "tokenizer_service")
+            count = self.args.api_server_count
+            env = front_end_env(self.endpoints, count)
+            for i in range(count):  # each binds --port itself (tokenizer_service/server.py says how they share it)
+                self.spawn(front_end_name(i, count), "tokenizer_service", env=env, api_server_index=i)
 
     def _spawn_group(self, endpoints: Endpoints, config_file: str, prefix: str, dp_rank: int) -> None:
         """One scheduler (on node 0) and this node's worker ranks, on the given endpoints."""
@@ -272,15 +274,12 @@ class Launcher:
             return find_hung(self.children, self.args.watchdog_timeout, time.monotonic())
         return None
 
-    def tell_tokenizer(self, child: Child) -> None:
+    def tell_front_ends(self, child: Child) -> None:
         """Fail the requests in flight with the reason and turn /health to 503, before anything else is stopped."""
-        if self.to_tokenizer is None or self.tokenizer_told or child.name == "tokenizer":
-            return
-        self.tokenizer_told = True
         what = f"is hung: it {child.hang}" if child.hang else "died"
         if isinstance(child.process, Peer):
             what = f"failed: {child.failure}"
-        self.to_tokenizer.send(EngineFailed(f"The engine failed: process {child.name} {what}; the server is stopping"))
+        self.front_ends.tell(f"The engine failed: process {child.name} {what}; the server is stopping", child.name)
 
     def wait_until_ready(self) -> Child | None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -306,7 +305,7 @@ class Launcher:
             dead = self._dead_child()
             if dead is not None:
                 dead = self._blame_node(dead)
-                self.tell_tokenizer(dead)
+                self.tell_front_ends(dead)
                 return dead
         return None
 
@@ -338,8 +337,8 @@ class Launcher:
         if self.links is not None:  # the other nodes first: they stop their own workers meanwhile
             failed = self.stop_reason is not None
             self.links.close(self.stop_reason or "the server on node 0 was stopped", failed)
-        # The tokenizer first, so clients get an error instead of waiting on an engine that is going away.
-        for child in sorted(self.children, key=lambda c: c.name != "tokenizer"):
+        # The front ends first, so clients get an error instead of waiting on an engine that is going away.
+        for child in sorted(self.children, key=lambda c: not is_front_end(c.name)):
             if child.process.poll() is None:
                 # A hung child would not act on SIGTERM (a stopped one not even receive it).
                 child.process.send_signal(signal.SIGKILL if child.hang else signal.SIGTERM)
@@ -351,8 +350,7 @@ class Launcher:
                 child.process.kill()
                 child.process.wait()
         self.inbox.close()
-        if self.to_tokenizer is not None:
-            self.to_tokenizer.close()
+        self.front_ends.close()
         self.ctx.term()
         shutil.rmtree(self.endpoints.ipc_dir, ignore_errors=True)
 

@@ -19,6 +19,7 @@ from typing import Callable
 import zmq
 
 from radixserve.config import ServerArgs
+from radixserve.runtime.front_ends import front_end_name
 from radixserve.runtime.heartbeat import heartbeat_interval, start_heartbeat
 from radixserve.runtime.ipc import Channel, Endpoints
 from radixserve.runtime.supervision_messages import ProcessFailed, ProcessReady
@@ -104,6 +105,8 @@ def run_child(name: str, main: Callable, extra_args: tuple[str, ...] = ()) -> No
     extras = {e: getattr(ns, e) for e in extra_args}
     if "rank" in extras:
         name = f"{name}-{extras['rank']}"
+    if extras.get("api_server_index") is not None:  # one of --api-server-count front ends
+        name = front_end_name(int(extras["api_server_index"]), args.api_server_count)
     if dp_rank is not None:
         name = f"dp{dp_rank}-{name}"
     setup_logging(name, args.log_level)

@@ -13,6 +13,8 @@ import sys
 import pytest
 
 from radixserve.config import ServerArgs
+from radixserve.runtime.launcher import Launcher
+from radixserve.runtime.preflight import LaunchError
 from radixserve.testing.tiny_models import tiny_model_dir
 from server_fixture import REPO_ROOT
 
@@ -41,6 +43,7 @@ BOUNDS = [
     ("--responses-store-ttl", repr(TINY), "0", "--responses-store-ttl > 0"),
     ("--max-header-bytes", "1024", "1023", "--max-header-bytes must be >= 1024"),
     ("--spin-wait-ms", "0", repr(-TINY), "--spin-wait-ms must be >= 0"),
+    ("--api-server-count", "1", "0", "--api-server-count must be >= 1"),
     ("--port", "1", "0", "--port out of range"),
     ("--port", "65535", "65536", "--port out of range"),
 ]
@@ -95,3 +98,10 @@ def test_launch_refuses_one_past_in_one_line():
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1, done
         assert lines[0].startswith("launch.py: error: ") and words in lines[0], lines
+
+
+def test_several_front_ends_are_launch_pys_alone():
+    # Engine and the Dynamo worker stand where front end 0 stands: there is no second one to start.
+    args = ServerArgs(model=str(tiny_model_dir("llama")), device="cpu", api_server_count=2)
+    with pytest.raises(LaunchError, match="--api-server-count is launch.py's"):
+        Launcher(args, serve_http=False)

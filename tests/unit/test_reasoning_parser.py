@@ -149,6 +149,25 @@ def test_store_never_crosses_cache_salts():
     assert store.delete("", "tenant-a", "r") and store.get("", "tenant-a", "r") is None
 
 
+def test_store_shared_by_front_ends_through_one_file(tmp_path):
+    # --api-server-count > 1: each front end opens the run directory's file; what one stores, the others find.
+    now = [0.0]
+    path = str(tmp_path / "responses.sqlite")
+    first, second = (ResponseStore(2, 10, clock=lambda: now[0], path=path) for _ in range(2))
+    first.put(entry("a0", "k"))
+    now[0] += 1
+    second.put(entry("a1", "k"))
+    assert second.get("k", None, "a0").body == {"id": "a0"} and first.get("k", None, "a1") is not None
+    now[0] += 1
+    first.put(entry("a2", "k"))  # the bound per key counts both front ends' entries
+    assert second.get("k", None, "a0") is None and len(second) == 2
+    assert second.delete("k", None, "a1") and first.get("k", None, "a1") is None
+    now[0] = 12.5  # a2 was stored at 2
+    assert first.get("k", None, "a2") is None and len(first) == 0
+    assert asyncio.run(first.run(first.get, "k", None, "a2")) is None  # off the event loop, as the routes call it
+    first.close(), second.close()
+
+
 # ------------------------------------------------------------------------------------------ the splice
 
 
