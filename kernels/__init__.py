@@ -14,8 +14,9 @@ splits: kernels/one_launch_decode.py; off: the split + merge kernels of triton_a
 shared_prefix_attention.py), fused_qkv (Q/K norms, RoPE and the KV store as one kernel: kernels/triton_qkv.py) and
 gate_up_silu_max_rows (the MLP's gate/up projection with SiLU-and-mul fused, up to this many rows; 0: never:
 kernels/triton_mlp.py) and skinny_linear_max_rows (the other projections by one weight-streaming kernel up to this
-many rows, instead of cuBLAS; 0: never: kernels/triton_skinny_linear.py). The torch twins compute the same functions
-whatever the options.
+many rows, instead of cuBLAS; 0: never: kernels/triton_skinny_linear.py) and pdl (programmatic dependent launch on
+Hopper and later: a kernel starts beside the one before it and waits for it only where it reads its output;
+kernels/triton_common.py). The torch twins compute the same functions whatever the options.
 """
 
 import os
@@ -46,7 +47,13 @@ def get_backend():
 
 set_backend(os.environ.get("RADIXSERVE_KERNEL_BACKEND", "auto"))
 
-OPTIONS = {"one_launch_decode": True, "fused_qkv": True, "gate_up_silu_max_rows": 16, "skinny_linear_max_rows": 16}
+OPTIONS = {
+    "one_launch_decode": True,
+    "fused_qkv": True,
+    "gate_up_silu_max_rows": 16,
+    "skinny_linear_max_rows": 16,
+    "pdl": True,
+}
 
 
 def configure(**options):

@@ -49,6 +49,7 @@ from kernels.triton_common import (
     MERGE_BLOCK_S,
     assert_last_dim_contiguous,
     dot_precision,
+    pdl_args,
     power_of_two_at_most,
     sm_count,
     split_capacity,
@@ -59,16 +60,27 @@ from kernels.triton_common import (
 # rows of the batch's largest group (members x GQA heads), each size class met mid-run was a compile there
 # (bench/kernel_variants.py), while the rows a small group leaves empty cost MMA work that a memory-bound tile hides
 # (estimated on an H100: a 64 x 64 x 128 bf16 tile is ~0.3-0.5 us of MMA per SM, streaming its 32 KB of K/V ~1.3 us).
-# 16-bit values and the 512-token slices below come from the sweep of bench/shared_prefix_kernel_bench.py --tune on
-# an H100 (bench/results/shared-prefix-kernel-h100.md): fewer, longer slices halve the partials written and read.
+# The 16-bit blocks, the slices, the partials' dtype and the suffix's blocks below come from
+# `python -m bench.shared_prefix_tune` on an H100 (bench/results/shared-prefix-tune-h100.md; W1 and gsp geometries,
+# Qwen3-8B and -0.6B attention shapes, padded as a decode graph runs them): W1 8B 67.3 -> 57-59 us a layer.
 PREFIX_CONFIG = {
     "16bit": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4},
     "fp32": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
     "interpret": {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
 }
+# The suffix kernel's blocks: the plain decode kernel's (triton_attention.DECODE_CONFIG), with these overrides by
+# dtype class ("16bit", "fp32"). A suffix is a request's own tokens, often far shorter than a plain decode's context:
+# short programs are latency-bound, and the smallest tiles keep the most of them in flight per SM (W1's 128 own
+# tokens: 38.9 -> 34.0 us for 8B; as fast as the default from 512 own tokens up, 97% of copy bandwidth at 4,096).
+SUFFIX_CONFIG = {"16bit": {"BLOCK_N": 16, "num_warps": 1, "num_stages": 2}, "fp32": {}}
+# The dtype of the partial outputs that slices and splits hand to the merge, for 16-bit inputs: float32, or the
+# inputs' own dtype (half the bytes written and read again; each partial is a softmax-normalised average of V rows,
+# rounded once more before the merge weighs it). fp32 inputs keep fp32.
+PARTIALS_16BIT = "input"  # or "float32"
 # Prefix slices: enough programs for a few per SM, never slices shorter than min_split_tokens, at most max_splits (the
-# grid's slice dimension under a CUDA graph, where most programs of a padded table exit at once).
-PREFIX_SPLITS = {"programs_per_sm": 4, "min_split_tokens": 512, "max_splits": 8}
+# grid's slice dimension under a CUDA graph, where most programs of a padded table exit at once). Four slices per
+# prefix measured best on both W1 (1,024 tokens) and gsp (2,048) with 8 groups.
+PREFIX_SPLITS = {"programs_per_sm": 2, "min_split_tokens": 256, "max_splits": 8}
 
 
 def prefix_config(dtype, device):
@@ -79,7 +91,10 @@ def prefix_config(dtype, device):
 
 def prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device):
     cfg = PREFIX_SPLITS
-    target = cfg["programs_per_sm"] * sm_count(device)
+    # Under PDL the suffix kernel runs beside the prefix kernel: one prefix program per SM leaves it room (two fill an
+    # SM's registers). Measured on an H100, W1 decode step: Qwen3-0.6B 3.01 -> 2.73 ms, Qwen3-8B 8.61 -> 8.54 ms.
+    per_sm = 1 if pdl_args(device, "attention")["PDL"] else cfg["programs_per_sm"]
+    target = per_sm * sm_count(device)
     splits = triton.cdiv(target, max(1, num_groups * num_kv_heads * m_blocks))
     splits = min(splits, triton.cdiv(max(1, max_prefix_len), cfg["min_split_tokens"]), cfg["max_splits"])
     return power_of_two_at_most(splits)
@@ -142,7 +157,9 @@ def decode_attention_grouped(
     group = hq // hkv
     block_d = triton.next_power_of_2(d)
     precision = dot_precision(q.dtype)
-    suffix_cfg = triton_attention.decode_config(q.dtype, q.device)
+    suffix_cfg = dict(triton_attention.decode_config(q.dtype, q.device))
+    if q.device.type == "cuda":
+        suffix_cfg.update(SUFFIX_CONFIG["fp32" if q.dtype == torch.float32 else "16bit"])
     pcfg = dict(prefix_config(q.dtype, q.device), **(config or {}))
     m_blocks = triton.cdiv(max(1, max_group_size * group), pcfg["BLOCK_M"])
     s_splits = num_suffix_splits or triton_attention.decode_num_splits(bsz, hkv, max_seq_len, q.device)
@@ -154,13 +171,16 @@ def decode_attention_grouped(
     first_prefix_split = 0 if fused else s_splits
     total = first_prefix_split + p_splits
 
-    mid_o = torch.empty((bsz, hq, total, d), dtype=torch.float32, device=q.device)
+    partials = q.dtype if q.dtype != torch.float32 and PARTIALS_16BIT == "input" else torch.float32
+    mid_o = torch.empty((bsz, hq, total, d), dtype=partials, device=q.device)
     mid_lse = torch.empty((bsz, hq, split_capacity(total)), dtype=torch.float32, device=q.device)
     mid_strides = (mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1))
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     qk_scale = sm_scale * LOG2E
 
-    # The prefix goes first: a fused suffix kernel reads its slices.
+    # The prefix goes first: a fused suffix kernel reads its slices. With PDL the suffix kernel starts beside it and
+    # waits for it only after the request's own tokens (triton_common.wait_for_prior_kernel).
+    pdl = pdl_args(q.device, "attention")
     _prefix_kernel[(num_groups * hkv, p_splits)](
         q,
         k_cache,
@@ -190,6 +210,7 @@ def decode_attention_grouped(
         DOT_PRECISION=precision,
         num_warps=pcfg["num_warps"],
         num_stages=pcfg["num_stages"],
+        **pdl,
     )
     _suffix_split_kernel[(bsz, hkv, s_splits)](
         q,
@@ -202,8 +223,6 @@ def decode_attention_grouped(
         mid_o,
         mid_lse,
         o,
-        req_group,
-        group_prefix_lens,
         prefix_splits,
         qk_scale,
         q.stride(0),
@@ -226,6 +245,7 @@ def decode_attention_grouped(
         MAX_PREFIX_SPLITS=PREFIX_SPLITS["max_splits"],
         num_warps=suffix_cfg["num_warps"],
         num_stages=suffix_cfg["num_stages"],
+        **pdl,
     )
     if fused:
         return
@@ -235,8 +255,6 @@ def decode_attention_grouped(
         o,
         seq_lens,
         req_suffix_start,
-        req_group,
-        group_prefix_lens,
         prefix_splits,
         *mid_strides,
         o.stride(0),
@@ -249,4 +267,5 @@ def decode_attention_grouped(
         SUFFIX_BLOCK_N=suffix_cfg["BLOCK_N"],
         PREFIX_BLOCK_N=pcfg["BLOCK_N"],
         num_warps=1 if block_d <= 64 else 2,
+        **pdl,
     )

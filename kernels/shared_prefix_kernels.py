@@ -6,7 +6,13 @@ policy are in shared_prefix_attention.py."""
 import triton
 import triton.language as tl
 
-from kernels.triton_common import attend_table_range, jit, merge_partials_block
+from kernels.triton_common import (
+    attend_table_range,
+    jit,
+    let_next_kernel_start,
+    merge_partials_block,
+    wait_for_prior_kernel,
+)
 
 
 # Split counts, offsets and whether the merge is fused are runtime ints, exempt from Triton's specialisation on value;
@@ -14,11 +20,11 @@ from kernels.triton_common import attend_table_range, jit, merge_partials_block
 # groups and the longest context, and each new combination would be a compile of a second or more in the middle of
 # serving (suspected cause of H100 W1 runs taking up to 3x their median: bench/results/; bench/kernel_variants.py).
 @triton.jit
-def prefix_slicing(prefix_len, Prefix_splits, max_splits, PREFIX_BLOCK_N: tl.constexpr):
-    """(slice length, live slices) of a prefix this step: the step's slice count (a device int the host sets from
-    the real groups, so that a CUDA graph captured for padded bounds slices as finely as an eager step), at most the
-    grid's max_splits, and no more slices than the prefix has BLOCK_N tiles."""
-    splits = tl.maximum(tl.minimum(tl.load(Prefix_splits), max_splits), 1)
+def prefix_slicing(prefix_len, step_splits, max_splits, PREFIX_BLOCK_N: tl.constexpr):
+    """(slice length, live slices) of a prefix this step: the step's slice count step_splits (loaded from a device
+    int the host sets from the real groups, so that a CUDA graph captured for padded bounds slices as finely as an
+    eager step), at most the grid's max_splits, and no more slices than the prefix has BLOCK_N tiles."""
+    splits = tl.maximum(tl.minimum(step_splits, max_splits), 1)
     slice_len = tl.cdiv(tl.cdiv(prefix_len, splits), PREFIX_BLOCK_N) * PREFIX_BLOCK_N
     live = tl.where(prefix_len > 0, tl.cdiv(prefix_len, tl.maximum(slice_len, 1)), 0)
     return slice_len, live
@@ -29,7 +35,7 @@ def _fold_slice(m_i, l_i, acc, Lse_row, Part_rows, s, stride_mos, live, dim_ok):
     """Prefix slice s's normalised output and lse, a running state (lse, 1, out), folded into (m_i, l_i, acc). A
     slice that is not live loads lse -inf: weight 0 against the finite max of the request's own tokens."""
     lse = tl.load(Lse_row + s, mask=live, other=float("-inf"))
-    part = tl.load(Part_rows + s * stride_mos, mask=live[:, None] & dim_ok[None, :], other=0.0)
+    part = tl.load(Part_rows + s * stride_mos, mask=live[:, None] & dim_ok[None, :], other=0.0).to(tl.float32)
     m_new = tl.maximum(m_i, lse)
     alpha = tl.exp2(m_i - m_new)
     beta = tl.exp2(lse - m_new)
@@ -38,7 +44,7 @@ def _fold_slice(m_i, l_i, acc, Lse_row, Part_rows, s, stride_mos, live, dim_ok):
 
 @jit(
     do_not_specialize=["num_splits", "prefix_splits", "fused"],
-    unaligned=["Req_pool_indices", "Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens", "Prefix_splits"],
+    unaligned=["Req_pool_indices", "Seq_lens", "Suffix_start", "Prefix_splits"],
 )
 def _suffix_split_kernel(
     Q,
@@ -51,8 +57,6 @@ def _suffix_split_kernel(
     Mid_o,
     Mid_lse,
     O,
-    Req_group,
-    Group_prefix_lens,
     Prefix_splits,
     qk_scale,
     stride_qb,
@@ -80,22 +84,30 @@ def _suffix_split_kernel(
     DOT_PRECISION: tl.constexpr,
     PREFIX_BLOCK_N: tl.constexpr,
     MAX_PREFIX_SPLITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # triton_attention's decode split kernel, shifted to start at the request's own tokens.
     # fused (one split only): the prefix kernel has already run, and this program folds the group's
     # prefix slices into its own running softmax and writes o itself: no merge launch, and the suffix
     # part never goes through memory. A runtime branch, not a constexpr: which path a step takes
     # follows its batch size, and one binary serves both.
+    # A request's suffix starts where its group's prefix ends (0 outside any group), so Suffix_start is also the
+    # length of the prefix whose slices a fused program folds in. Every load of metadata is issued here, together,
+    # so that the fold after the loop waits on nothing but the slices themselves.
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     first = tl.load(Suffix_start + req)
-    own_len = tl.load(Seq_lens + req) - first
+    seq_len = tl.load(Seq_lens + req)
+    pool_row = tl.load(Req_pool_indices + req)
+    step_prefix_splits = tl.load(Prefix_splits)
+    own_len = seq_len - first
     split_len = tl.cdiv(tl.cdiv(own_len, num_splits), BLOCK_N) * BLOCK_N
     start = first + split * split_len
     end = tl.minimum(start + split_len, first + own_len)
     if start >= end:
+        wait_for_prior_kernel(PDL)
         return  # the merge recomputes these bounds and skips this split (never the one split of a fused step)
 
     rows = tl.arange(0, BLOCK_H)
@@ -109,7 +121,7 @@ def _suffix_split_kernel(
         other=0.0,
     )
 
-    table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
+    table = Req_to_token + pool_row.to(tl.int64) * stride_rt
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -133,15 +145,16 @@ def _suffix_split_kernel(
         EVEN_D,
         DOT_PRECISION,
     )
+    # Under PDL this kernel started beside the prefix kernel: the loop above read only the request's own tokens
+    # and q (written before the prefix kernel began); what follows reads the prefix's slices or ends the kernel.
+    wait_for_prior_kernel(PDL)
+    let_next_kernel_start(PDL)
 
     if fused != 0:
-        group = tl.load(Req_group + req)
-        prefix_len = tl.load(Group_prefix_lens + tl.maximum(group, 0))
-        prefix_len = tl.where(group >= 0, prefix_len, 0)
         # The prefix kernel skipped the slices that start past the prefix; so do these loops. The first is unrolled
         # to the most slices a serving step has, masked past the live ones, so that the slices' loads, independent
         # of each other, issue together instead of one round trip per slice; the second takes any beyond.
-        _, live_slices = prefix_slicing(prefix_len, Prefix_splits, prefix_splits, PREFIX_BLOCK_N)
+        _, live_slices = prefix_slicing(first, step_prefix_splits, prefix_splits, PREFIX_BLOCK_N)
         lse_row = Mid_lse + req * stride_mlb + heads * stride_mlh
         part_rows = Mid_o + req * stride_mob + heads[:, None] * stride_moh + dims[None, :]
         for s in tl.static_range(MAX_PREFIX_SPLITS):
@@ -166,7 +179,8 @@ def _suffix_split_kernel(
         )
     else:
         out_ptr = Mid_o + req * stride_mob + heads[:, None] * stride_moh + split * stride_mos + dims[None, :]
-        tl.store(out_ptr, acc / l_i[:, None], mask=head_ok[:, None] & dim_ok[None, :])
+        part = (acc / l_i[:, None]).to(Mid_o.dtype.element_ty)
+        tl.store(out_ptr, part, mask=head_ok[:, None] & dim_ok[None, :])
         tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
 
 
@@ -208,7 +222,12 @@ def _prefix_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # q comes from the kernel before. Once that is done, the suffix kernel may start: it reads nothing this kernel
+    # writes until it has waited for it, and q and the own tokens' KV are complete by then.
+    wait_for_prior_kernel(PDL)
+    let_next_kernel_start(PDL)
     # One program per (group, KV head, slice); a group with more rows than one tile walks its row blocks in turn,
     # the second finding the slice's K/V in L2. The grid is sized by group count and slices alone, so the padding
     # of a CUDA graph's table (empty groups, a group-size bound of the whole batch) costs one early exit per group
@@ -217,18 +236,22 @@ def _prefix_kernel(
     kv_head = tl.program_id(0) % NUM_KV_HEADS
     split = tl.program_id(1)
 
+    # The group's metadata in one round trip (independent loads, issued before any of them is used).
     member0 = tl.load(Group_member_start + group)
-    num_rows = (tl.load(Group_member_start + group + 1) - member0) * GROUP
+    member_end = tl.load(Group_member_start + group + 1)
+    prefix_len = tl.load(Group_prefix_lens + group)
+    prefix_row = tl.load(Group_prefix_rows + group)
+    step_splits = tl.load(Prefix_splits)
+    num_rows = (member_end - member0) * GROUP
     if num_rows == 0:
         return  # a padding group
-    prefix_len = tl.load(Group_prefix_lens + group)
-    split_len, live = prefix_slicing(prefix_len, Prefix_splits, num_splits, BLOCK_N)
+    split_len, live = prefix_slicing(prefix_len, step_splits, num_splits, BLOCK_N)
     if split >= live:
         return
     start = split * split_len
     end = tl.minimum(start + split_len, prefix_len)
 
-    table = Req_to_token + tl.load(Group_prefix_rows + group).to(tl.int64) * stride_rt
+    table = Req_to_token + prefix_row.to(tl.int64) * stride_rt
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -267,13 +290,13 @@ def _prefix_kernel(
             DOT_PRECISION,
         )
         out_ptr = Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + slot * stride_mos + dims[None, :]
-        tl.store(out_ptr, acc / l_i[:, None], mask=row_ok[:, None] & dim_ok[None, :])
+        tl.store(out_ptr, (acc / l_i[:, None]).to(Mid_o.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
         tl.store(Mid_lse + reqs * stride_mlb + heads * stride_mlh + slot, m_i + tl.log2(l_i), mask=row_ok)
 
 
 @jit(
     do_not_specialize=["suffix_splits", "prefix_splits"],
-    unaligned=["Seq_lens", "Suffix_start", "Req_group", "Group_prefix_lens", "Prefix_splits"],
+    unaligned=["Seq_lens", "Suffix_start", "Prefix_splits"],
 )
 def _merge_kernel(
     Mid_o,
@@ -281,8 +304,6 @@ def _merge_kernel(
     O,
     Seq_lens,
     Suffix_start,
-    Req_group,
-    Group_prefix_lens,
     Prefix_splits,
     stride_mob,
     stride_moh,
@@ -298,17 +319,20 @@ def _merge_kernel(
     BLOCK_D: tl.constexpr,
     SUFFIX_BLOCK_N: tl.constexpr,
     PREFIX_BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One log-sum-exp reduction over the suffix splits and the group's prefix slices together, BLOCK_S at a time.
+    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
+    let_next_kernel_start(PDL)
+    # As in the suffix kernel, the suffix's start is the group's prefix length (0 outside any group).
     req = tl.program_id(0)
     head = tl.program_id(1)
-    own_len = tl.load(Seq_lens + req) - tl.load(Suffix_start + req)
-    group = tl.load(Req_group + req)
-    prefix_len = tl.load(Group_prefix_lens + tl.maximum(group, 0))
-    prefix_len = tl.where(group >= 0, prefix_len, 0)
+    prefix_len = tl.load(Suffix_start + req)
+    own_len = tl.load(Seq_lens + req) - prefix_len
+    step_prefix_splits = tl.load(Prefix_splits)
 
     suffix_split_len = tl.cdiv(tl.cdiv(own_len, suffix_splits), SUFFIX_BLOCK_N) * SUFFIX_BLOCK_N
-    _, prefix_live = prefix_slicing(prefix_len, Prefix_splits, prefix_splits, PREFIX_BLOCK_N)
+    _, prefix_live = prefix_slicing(prefix_len, step_prefix_splits, prefix_splits, PREFIX_BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     lse_base = Mid_lse + req * stride_mlb + head * stride_mlh

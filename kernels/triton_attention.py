@@ -27,6 +27,7 @@ from kernels.triton_common import (
     MERGE_BLOCK_S,
     assert_last_dim_contiguous,
     dot_precision,
+    pdl_args,
     power_of_two_at_most,
     sm_count,
     split_capacity,
@@ -198,6 +199,7 @@ def decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
+        **pdl_args(q.device, "attention"),
     )
     if splits == 1:
         return
@@ -222,6 +224,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=cfg["BLOCK_N"],
         num_warps=1 if block_d <= 64 else 2,
+        **pdl_args(q.device, "attention"),
     )
 
 

@@ -4,7 +4,15 @@ block configs and split policy are in triton_attention.py; what the kernels shar
 
 import triton.language as tl
 
-from kernels.triton_common import attend_table_range, jit, load_rows, merge_partials_block, online_softmax_block
+from kernels.triton_common import (
+    attend_table_range,
+    jit,
+    let_next_kernel_start,
+    load_rows,
+    merge_partials_block,
+    online_softmax_block,
+    wait_for_prior_kernel,
+)
 
 
 # The split count is a runtime int: it follows the batch size and the longest context, and a constexpr here made
@@ -42,9 +50,12 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # One program = one request x one KV head x one slice of the context. All query heads of the KV
     # head ride along as the rows of the dot, so each K/V row is read from memory once per group.
+    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
+    let_next_kernel_start(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -123,7 +134,10 @@ def _decode_merge_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
+    let_next_kernel_start(PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(Seq_lens + req)

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels
+
 LOG2E = 1.4426950408889634
 
 # Partials of one query are merged this many splits at a time (a fixed tile, so that one binary serves every count).
@@ -130,10 +132,66 @@ def merge_partials_block(Lse, Part, stride_s, splits, live, dims, dim_ok, m_i, l
     masked loads keep them out of the sum, and a tile with no live split leaves the state as it was."""
     lse = tl.load(Lse + splits, mask=live, other=float("-inf"))
     part = tl.load(Part + splits[:, None] * stride_s + dims[None, :], mask=live[:, None] & dim_ok[None, :], other=0.0)
+    part = part.to(tl.float32)  # partials may be stored in 16 bits (kernels/shared_prefix_attention.py)
     m_new = tl.maximum(m_i, tl.max(lse, 0))
     alpha = tl.exp2(m_i - m_new)
     weight = tl.exp2(lse - m_new)
     return m_new, l_i * alpha + tl.sum(weight, 0), acc * alpha + tl.sum(weight[:, None] * part, 0)
+
+
+# Programmatic dependent launch (PDL, Hopper and later). A kernel launched with launch_pdl=True may start while the
+# kernel before it in the stream still runs, once every program of that one has called let_next_kernel_start (or
+# finished); it must call wait_for_prior_kernel before it reads what the earlier kernel writes, and before it ends,
+# so that its own completion still implies the earlier kernel's for whatever comes next in the stream. Work that
+# does not depend on the earlier kernel (reading cached KV, weights) overlaps it: a short kernel's fixed cost of
+# launch, first loads and drain (~10 us measured on an H100, bench/results/) hides behind the one before.
+@triton.jit
+def wait_for_prior_kernel(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def let_next_kernel_start(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+_PDL_DEVICES: dict = {}
+
+
+def pdl_supported(device) -> bool:
+    """Whether kernels on this device can use programmatic dependent launch: a CUDA device of compute capability
+    9.0 or later and a Triton that exposes grid dependency control."""
+    if device.type != "cuda":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _PDL_DEVICES:
+        major, _ = torch.cuda.get_device_capability(idx)
+        _PDL_DEVICES[idx] = major >= 9 and hasattr(tl.extra.cuda, "gdc_wait")
+    return _PDL_DEVICES[idx]
+
+
+# Which kernels launch with PDL, by kind: "norm" (RMSNorm), "qkv" (Q/K norms + RoPE + KV store), "attention" (decode
+# attention's kernels, plain and shared-prefix), "small linear" (the skinny projections and gate/up + SiLU over a
+# weight of at most SMALL_LINEAR_BYTES; "linear" over a larger one). Measured on an H100 (decode step as a CUDA graph,
+# bench/results/kernels-h100-2026-11-25/pdl-h100.md): all kinds on took Qwen3-0.6B's batch-1 step from 1.249 to 1.132 ms, and no subset
+# did (the gain is the launch gaps of a chain of short kernels); on Qwen3-8B the same made the step slower (6.26 ->
+# 6.91 ms), all of it from the projections over its 33-201 MB weights, while the other kinds were neutral.
+SMALL_LINEAR_BYTES = 16 << 20
+PDL_KINDS = {"norm", "qkv", "attention", "small linear"}
+
+
+def linear_kind(weight) -> str:
+    return "small linear" if weight.numel() * weight.element_size() <= SMALL_LINEAR_BYTES else "linear"
+
+
+def pdl_args(device, kind: str) -> dict:
+    """The launch arguments of a kernel built for PDL (a PDL constexpr): launch_pdl too where the device supports
+    it, kernels.OPTIONS["pdl"] is on (--disable-pdl turns it off) and its kind is in PDL_KINDS."""
+    if kernels.OPTIONS["pdl"] and kind in PDL_KINDS and pdl_supported(device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
 
 
 _COUNTERS: dict = {}

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton_common import let_next_kernel_start, pdl_args, wait_for_prior_kernel
+
 
 @triton.jit
 def _rmsnorm_kernel(
@@ -25,7 +27,10 @@ def _rmsnorm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
+    let_next_kernel_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -74,6 +79,7 @@ def rmsnorm(x, weight, eps, residual=None):
                 BLOCK=block,
                 HAS_RESIDUAL=False,
                 num_warps=_row_warps(block),
+                **pdl_args(x.device, "norm"),
             )
         return out.view(shape)
     r2 = _rows_view(residual)
@@ -94,6 +100,7 @@ def rmsnorm(x, weight, eps, residual=None):
             BLOCK=block,
             HAS_RESIDUAL=True,
             num_warps=_row_warps(block),
+            **pdl_args(x.device, "norm"),
         )
     return out.view(shape), hidden.view(shape)
 

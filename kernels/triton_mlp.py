@@ -12,7 +12,14 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot_precision, jit
+from kernels.triton_common import (
+    dot_precision,
+    jit,
+    let_next_kernel_start,
+    linear_kind,
+    pdl_args,
+    wait_for_prior_kernel,
+)
 
 
 @jit(do_not_specialize=["rows"])
@@ -30,7 +37,10 @@ def _gate_up_silu_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
+    let_next_kernel_start(PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     EVEN_K: tl.constexpr = HIDDEN % BLOCK_K == 0
@@ -113,5 +123,6 @@ def gate_up_silu(x, weight, config=None):
             DOT_PRECISION=dot_precision(x.dtype),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
+            **pdl_args(x.device, linear_kind(weight)),
         )
     return out.view(*shape[:-1], inter)

@@ -11,7 +11,7 @@ composition itself.
 import triton
 import triton.language as tl
 
-from kernels.triton_common import jit
+from kernels.triton_common import jit, let_next_kernel_start, pdl_args, wait_for_prior_kernel
 
 
 @triton.jit
@@ -125,7 +125,10 @@ def _qk_norm_rope_store_kernel(
     BLOCK_KH: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
+    let_next_kernel_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     ROT: tl.constexpr = 2 * HALF
     HAS_REST: tl.constexpr = ROT < HEAD_DIM
@@ -279,4 +282,5 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, ep
         BLOCK_D=triton.next_power_of_2(d),
         HAS_NORM=has_norm,
         num_warps=4 if hq * d >= 2048 else 1,
+        **pdl_args(q.device, "qkv"),
     )

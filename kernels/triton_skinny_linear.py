@@ -15,7 +15,16 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot_precision, jit, sm_count, zeroed_counters
+from kernels.triton_common import (
+    dot_precision,
+    jit,
+    let_next_kernel_start,
+    linear_kind,
+    pdl_args,
+    sm_count,
+    wait_for_prior_kernel,
+    zeroed_counters,
+)
 
 
 @jit(do_not_specialize=["rows"])
@@ -36,7 +45,10 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
+    let_next_kernel_start(PDL)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     K_PER_SPLIT: tl.constexpr = K // SPLITS  # the host picks SPLITS that divide K into whole BLOCK_K steps
@@ -141,5 +153,6 @@ def skinny_linear(x, weight, config=None, splits=None):
             DOT_PRECISION=dot_precision(x.dtype),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
+            **pdl_args(x.device, linear_kind(weight)),
         )
     return out.view(*shape[:-1], n)

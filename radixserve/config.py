@@ -215,6 +215,13 @@ class ServerArgs:
         "weight-streaming Triton kernel (kernels/triton_skinny_linear.py) instead "
         "of cuBLAS (0: never).",
     )
+    disable_pdl: bool = _flag(
+        False,
+        "Launch every kernel only once the one before it has finished, instead "
+        "of letting kernels built for it start beside their predecessor and "
+        "wait only where they read its output (programmatic dependent launch, "
+        "Hopper and later GPUs).",
+    )
     # On by default since the H100 measured it faster end to end (W1 1.09x on Qwen3-8B and 1.24x on 0.6B, nothing
     # lost on unshared prompts) and as exact as the plain path on real weights (bench/results/h100-2026-11-23/).
     disable_shared_prefix_attention: bool = _flag(
