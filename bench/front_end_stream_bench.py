@@ -5,6 +5,7 @@ uvicorn's write and the socket are not in it. Prints microseconds per token (med
 --profile, where they go.
 
     python -m bench.front_end_stream_bench [--streams 128] [--steps 64] [--repeats 5] [--profile]
+    PROMETHEUS_MULTIPROC_DIR=$(mktemp -d) python -m bench.front_end_stream_bench  # shared metrics (--api-server-count)
 
 In a burst of 128 streams this work shares the one event loop with the requests still arriving (issue 27:
 bench/results/ttft-under-load-h100.md): every microsecond per token is ~0.1 ms of loop time per step."""
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import os
 import pstats
 import statistics
 import time
@@ -38,7 +40,10 @@ class NoSocket:
 
 async def run_once(tokenizer, streams: int, steps: int, seed: int) -> float:
     """Seconds for `steps` steps of `streams` tokens, every stream's chunks written (to nowhere)."""
-    manager = RequestManager(tokenizer, Endpoints("/nonexistent"), ServerMetrics("bench"), max_in_flight=10**6)
+    # With PROMETHEUS_MULTIPROC_DIR set (before prometheus-client is imported), every value goes to the files that
+    # several front ends share (tokenizer_service/metrics.py), as in a server with --api-server-count > 1.
+    metrics = ServerMetrics("bench", shared_dir=os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+    manager = RequestManager(tokenizer, Endpoints("/nonexistent"), metrics, max_in_flight=10**6)
     manager._to_scheduler = NoSocket()
     rng = np.random.default_rng(seed)
     # Ids of ordinary words: what text-bearing decode steps look like (dummy weights would send many without text).
@@ -111,8 +116,9 @@ def main() -> None:
     for r in range(ns.repeats):
         seconds = run(run_once(tokenizer, ns.streams, ns.steps, r + 1))
         runs.append(seconds / (ns.streams * ns.steps) * 1e6)
+    shared = " (metrics in multiprocess files)" if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else ""
     print(
-        f"{ns.streams} streams x {ns.steps} tokens: {statistics.median(runs):.2f} us per token "
+        f"{ns.streams} streams x {ns.steps} tokens{shared}: {statistics.median(runs):.2f} us per token "
         f"(runs {', '.join(f'{x:.2f}' for x in runs)})"
     )
     if ns.profile:
