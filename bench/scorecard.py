@@ -138,9 +138,16 @@ def shape_part(part: str, tokenizer: str, repeats: int, card: dict) -> None:
         put(card, f"gsp_plain_s_{part}", workload_seconds(engine, gsp, repeats, card, f"gsp_plain_s_{part}"))
 
 
+# serve_rate_*: the same 512 requests sent at this many per second (Poisson arrivals, bench.serving_bench
+# --request-rate), below what either mode serves in a closed loop (~116 requests/s with shared-prefix attention off):
+# 128 closed-loop clients send a faster server more requests per second, so its closed-loop TTFT carries more load.
+SERVE_RATE = 80.0
+
+
 def serve_part(tokenizer: str, repeats: int, card: dict) -> None:
     """bench.serving_bench's load (0.6B shape, 128 clients, 8 system prompts of 2,048 tokens) through launch.py with
-    shared-prefix attention on and off, and Engine's mean step time on the same requests and concurrency."""
+    shared-prefix attention on and off, in a closed loop and at a fixed arrival rate, and Engine's mean step time on
+    the same requests and concurrency."""
     from bench.server_process import start_server
     from bench.serving_bench import run_load, workload
 
@@ -152,10 +159,13 @@ def serve_part(tokenizer: str, repeats: int, card: dict) -> None:
         server, url, log = start_server(model_dir, ["--load-format", "dummy", *flags], "radixserve-scorecard-")
         try:
             asyncio.run(run_load(url, prompts, 4, load.concurrency))  # warm-up
-            runs = []
+            runs, rate_runs = [], []
             for _ in range(repeats):
                 assert httpx.post(f"{url}/flush_cache", timeout=30).json()["success"]
                 runs.append(asyncio.run(run_load(url, prompts, load.output_len, load.concurrency)))
+            for _ in range(repeats):  # the same offered load for both modes (see SERVE_RATE)
+                assert httpx.post(f"{url}/flush_cache", timeout=30).json()["success"]
+                rate_runs.append(asyncio.run(run_load(url, prompts, load.output_len, 4 * load.concurrency, SERVE_RATE)))
             assert httpx.get(f"{url}/server_info", timeout=30).json()["kv_invariant_ok"]
         finally:
             server.send_signal(signal.SIGTERM)
@@ -168,6 +178,9 @@ def serve_part(tokenizer: str, repeats: int, card: dict) -> None:
         put(card, f"serve_{mode}itl_ms", [r["tpot_mean_ms"] for r in runs], 1, 2)
         put(card, f"serve_{mode}itl_chunk_ms", [r["itl_mean_ms"] for r in runs], 1, 2)
         put(card, f"serve_{mode}output_tok_s", [r["output_tok_per_s"] for r in runs], 1, 0)
+        put(card, f"serve_rate_{mode}ttft_p50_ms", [r["ttft_p50_ms"] for r in rate_runs], 1, 1)
+        put(card, f"serve_rate_{mode}ttft_p99_ms", [r["ttft_p99_ms"] for r in rate_runs], 1, 1)
+        put(card, f"serve_rate_{mode}itl_ms", [r["tpot_mean_ms"] for r in rate_runs], 1, 2)
     from radixserve.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_new_tokens=load.output_len, ignore_eos=True)

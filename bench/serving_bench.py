@@ -2,6 +2,7 @@
 bounded number of concurrent clients. Starts `launch.py` itself (dummy weights of a real shape) once per mode.
 
     python -m bench.serving_bench --config qwen3-0.6b --tokenizer DIR [--requests 512 --concurrency 128 --repeats 3]
+        [--request-rate 80]   # Poisson arrivals at 80 requests/s instead of a closed loop of clients
 
 Prints per mode: request throughput, output tokens/s, time to first token (mean, p50, p99), inter-token latency
 (mean, p99), and the share of prompt tokens served from the radix cache (usage.prompt_tokens_details); each figure
@@ -71,20 +72,36 @@ async def one_request(session: aiohttp.ClientSession, url: str, model: str, prom
     return {"ttft": ttft, "itl": itl, "tpot": tpot, "usage": usage, "end": time.perf_counter()}
 
 
-async def run_load(url: str, prompts: list[list[int]], output_len: int, concurrency: int) -> dict:
+def arrival_times(n: int, request_rate: float | None, seed: int = 0) -> list[float]:
+    """Seconds from the start at which each request is sent: all at once (a closed loop of clients, bounded by the
+    concurrency) without a rate, else a Poisson process of that many requests per second (exponential gaps, as
+    vLLM's benchmark_serving sends them), so that two servers compared see the same offered load whatever their
+    speed. In a closed loop a faster server also gets its next requests sooner: more prefill work per second."""
+    if not request_rate:
+        return [0.0] * n
+    gaps = np.random.default_rng(seed).exponential(1.0 / request_rate, n)
+    return (np.cumsum(gaps) - gaps[0]).tolist()
+
+
+async def run_load(
+    url: str, prompts: list[list[int]], output_len: int, concurrency: int, request_rate: float | None = None
+) -> dict:
     # aiohttp rather than httpx: profiled on the H100 machine, httpx's connection pool kept this client 71% busy
     # at 128 streams (and capped the measured throughput) while the server's tokenizer process was 27% busy.
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
     gate = asyncio.Semaphore(concurrency)
     connector = aiohttp.TCPConnector(limit=concurrency + 8)
+    arrivals = arrival_times(len(prompts), request_rate)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        t0 = time.perf_counter()
 
-        async def guarded(p):
+        async def guarded(p, at):
+            await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
             async with gate:
                 return await one_request(session, url, model, p, output_len)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(guarded(p) for p in prompts))
+        results = await asyncio.gather(*(guarded(p, at) for p, at in zip(prompts, arrivals)))
         elapsed = time.perf_counter() - start
     ttfts = sorted(r["ttft"] for r in results)
     itls = [x for r in results for x in r["itl"]]
@@ -116,6 +133,9 @@ def main() -> None:
     parser.add_argument("--system-len", type=int, default=2048)
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument(
+        "--request-rate", type=float, default=None, help="requests per second, Poisson arrivals (default: all at once)"
+    )
     parser.add_argument("--server-args", default="", help="extra launch.py flags for every mode")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per mode (>= 3); figures are medians")
     parser.add_argument("--json-out")
@@ -143,7 +163,7 @@ def main() -> None:
             runs = []
             for _ in range(ns.repeats):
                 assert httpx.post(f"{url}/flush_cache", timeout=30).json()["success"]
-                runs.append(asyncio.run(run_load(url, prompts, ns.output_len, ns.concurrency)))
+                runs.append(asyncio.run(run_load(url, prompts, ns.output_len, ns.concurrency, ns.request_rate)))
                 info = httpx.get(f"{url}/server_info", timeout=30).json()
                 runs[-1]["kv_invariant_ok_after"] = info["kv_invariant_ok"]
             rows[mode] = summarize_rows(runs)
