@@ -3,6 +3,7 @@ its two tokenizer processes both listening on the port. Many connections at once
 request, and both processes take some; streams work on each; a client that goes away frees its KV; /metrics from
 either reports both; a Responses follow-up and pins work whichever process gets them. Last, SIGKILL of one front
 end stops the whole server with a message naming it (the module's last test: it ends the server the others share).
+Unit tests of the outputs' split and of the DP controller's routing: tests/scheduler/test_front_end_outputs.py.
 
 A test reaches a chosen front end through a keep-alive connection: new connections are opened until /server_info
 (api_server_index) says the kernel put one on that process, which then serves every request on the connection."""
@@ -29,18 +30,24 @@ pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
 
 FRONT_ENDS = 2
 IDLE_WITHIN_S = 3.0
+FIND_WITHIN_S = 30.0  # new connections until one lands on the front end wanted (each has an even chance)
 
 
 @pytest.fixture(scope="module")
 def server():
     with launched_server(tiny_model_dir("llama"), "--api-server-count", str(FRONT_ENDS)) as server:
+        # /health answered once one front end listened; the other may start listening a moment later.
+        for index in range(FRONT_ENDS):
+            with client_on(server, index):
+                pass
         yield server
 
 
 @contextlib.contextmanager
 def client_on(server, index: int):
     """An httpx client whose one keep-alive connection is served by front end `index`."""
-    for _ in range(64):
+    deadline = time.monotonic() + FIND_WITHIN_S
+    while time.monotonic() < deadline:
         http = httpx.Client(base_url=server.url, timeout=60)
         info = http.get("/server_info").json()
         assert info["api_server_count"] == FRONT_ENDS
@@ -53,7 +60,7 @@ def client_on(server, index: int):
                 http.close()
             return
         http.close()
-    raise AssertionError(f"64 connections and none on front end {index}")
+    raise AssertionError(f"no connection on front end {index} in {FIND_WITHIN_S} s")
 
 
 def scrape(http: httpx.Client) -> dict[str, float]:
@@ -162,6 +169,7 @@ def test_pins_made_and_listed_from_either_front_end(server):
         made = [pin(http, input_ids=prompt_ids(first, 40))["id"] for first, http in ((7001, one), (7002, zero))]
         for http in (zero, one):
             assert set(made) <= set(pins(http))
+            assert http.get("/v1/cache/stats").json()["num_pins"] == 2  # the dashboard's numbers, the same from both
         assert one.delete(f"/v1/cache/pin/{made[1]}").status_code == 200
         assert zero.delete(f"/v1/cache/pin/{made[0]}").status_code == 200
         assert not set(made) & set(pins(one))
