@@ -144,6 +144,8 @@ def cpu_worker_malloc_env() -> dict[str, str]:
 class Launcher:
     def __init__(self, args: ServerArgs, serve_http: bool = True):
         self.args = args
+        if not serve_http and args.api_server_count > 1:
+            raise LaunchError("--api-server-count is launch.py's: Engine and the Dynamo worker are one front end")
         self.serve_http = serve_http and args.node_rank == 0  # nodes > 0 run workers only
         serve_http = self.serve_http
         self.model_dir = str(resolve_model_dir(args.model))
@@ -151,8 +153,6 @@ class Launcher:
             args.served_model_name = DEMO_MODEL_NAME
         if serve_http:
             resolve_api_key(args)
-        elif args.api_server_count > 1:
-            raise LaunchError("--api-server-count is launch.py's: Engine and the Dynamo worker are one front end")
         if args.watchdog_timeout is None:
             args.watchdog_timeout = WATCHDOG_DEFAULT_S[args.device]
         if args.watchdog_timeout < 0:
