@@ -174,10 +174,11 @@ def pdl_supported(device) -> bool:
 
 # Which kernels launch with PDL, by kind: "norm" (RMSNorm), "qkv" (Q/K norms + RoPE + KV store), "attention" (decode
 # attention's kernels, plain and shared-prefix), "small linear" (the skinny projections and gate/up + SiLU over a
-# weight of at most SMALL_LINEAR_BYTES; "linear" over a larger one). Measured on an H100 (decode step as a CUDA graph,
-# bench/results/kernels-h100-2026-11-25/pdl-h100.md): all kinds on took Qwen3-0.6B's batch-1 step from 1.249 to 1.132 ms, and no subset
-# did (the gain is the launch gaps of a chain of short kernels); on Qwen3-8B the same made the step slower (6.26 ->
-# 6.91 ms), all of it from the projections over its 33-201 MB weights, while the other kinds were neutral.
+# weight of at most SMALL_LINEAR_BYTES; "linear" over a larger one). Measured on an H100 with bench/pdl_bench.py
+# (decode step as a CUDA graph; bench/results/kernels-h100-2026-11-25/): these kinds took Qwen3-0.6B's batch-1 step
+# from 1.247 to 1.126 ms, where no smaller set gained (the gain is the launch gaps of a chain of short kernels);
+# adding the projections over Qwen3-8B's 33-201 MB weights made its step slower (6.27 -> 6.92 ms), the other kinds
+# left it as it was.
 SMALL_LINEAR_BYTES = 16 << 20
 PDL_KINDS = {"norm", "qkv", "attention", "small linear"}
 
