@@ -4,6 +4,7 @@ that share a system prompt, and of choosing the shared-prefix groups of that man
 
     python -m bench.scheduler_bench [--running 256] [--steps 200] [--disable-overlap-schedule]
                                     [--disable-incremental-decode-batch] [--profile]
+    python -m bench.scheduler_bench --churn     # requests coming and going over shared prompts, grouping on/off
 
 A stand-in executor returns random tokens at once, so what is timed is the scheduler alone: schedule() (batch
 built and encoded as the message the workers get), the placeholders of the overlapped loop, process_results()
@@ -63,7 +64,16 @@ def main() -> None:
         help="rebuild every decode batch from its requests (scheduler_service/decode_batch.py off)",
     )
     parser.add_argument("--profile", action="store_true", help="cProfile the decode steps, print the top functions")
+    parser.add_argument(
+        "--churn",
+        action="store_true",
+        help="instead: a new request every 2 steps over 8 shared 2,048-token prompts, shared-prefix grouping on/off",
+    )
     ns = parser.parse_args()
+    if ns.churn:
+        for shared in (False, True, False, True):
+            print(churn_step_us(shared))
+        return
     rng = np.random.default_rng(0)
     args = ServerArgs(
         device="cpu",
@@ -127,6 +137,38 @@ def main() -> None:
     print(f"prefix groups of {ns.running} running requests over 16 system prompts: {groups_ms:.1f} ms")
     if profiler:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(20)
+
+
+def churn_step_us(shared: bool, steps: int = 800, every: int = 2) -> str:
+    """The scheduler's CPU time per step while requests come and go, as at a fixed arrival rate (bench.serving_bench
+    --request-rate): one new request every `every` steps, each one of 8 cached 2,048-token system prompts + 64 new
+    tokens and 128 out (~64 running), with shared-prefix grouping on or off; the last 500 steps."""
+    rng = np.random.default_rng(0)
+    args = ServerArgs(
+        device="cpu", max_running_requests=256, chunked_prefill_size=8192, disable_shared_prefix_attention=not shared
+    )
+    scheduler = Scheduler(args, num_kv_slots=400_000, context_len=4096, eos_token_ids=[2])
+    loop = make_step_loop(scheduler, RandomTokens())
+    encoder = msgspec.msgpack.Encoder()
+    systems = [rng.integers(10, 1000, 2048).tolist() for _ in range(8)]
+    warm = SamplingParams(temperature=0.0, max_new_tokens=1, ignore_eos=True)
+    for i, system in enumerate(systems):  # cached before the clock starts
+        scheduler.add_request(Req(f"w{i}", system + [7], warm))
+    for _ in range(5):
+        loop.step()
+    params = SamplingParams(temperature=0.0, max_new_tokens=128, ignore_eos=True)
+    times = []
+    for s in range(steps):
+        if s % every == 0:
+            scheduler.add_request(Req(f"r{s}", systems[s % 8] + rng.integers(10, 1000, 64).tolist(), params))
+        t0 = time.thread_time()
+        encoder.encode(BatchOutput(messages(loop.step()), SchedulerLoad(0, 0, 0, 0, 0)))
+        if s >= steps - 500:
+            times.append((time.thread_time() - t0) * 1e6)
+    return (
+        f"churn, shared-prefix grouping {'on' if shared else 'off'}: {len(scheduler.running)} running, step CPU median "
+        f"{statistics.median(times):.0f} us, p90 {np.percentile(times, 90):.0f} us"
+    )
 
 
 def group_choice_ms(running: int) -> float:
