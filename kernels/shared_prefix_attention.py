@@ -53,6 +53,7 @@ from kernels.triton_common import (
     power_of_two_at_most,
     sm_count,
     split_capacity,
+    uses_pdl,
 )
 
 
@@ -93,7 +94,7 @@ def prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device
     cfg = PREFIX_SPLITS
     # Under PDL the suffix kernel runs beside the prefix kernel: one prefix program per SM leaves it room (two fill an
     # SM's registers). Measured on an H100, W1 decode step: Qwen3-0.6B 3.01 -> 2.73 ms, Qwen3-8B 8.61 -> 8.54 ms.
-    per_sm = 1 if pdl_args(device, "attention")["PDL"] else cfg["programs_per_sm"]
+    per_sm = 1 if uses_pdl(device, "attention") else cfg["programs_per_sm"]
     target = per_sm * sm_count(device)
     splits = triton.cdiv(target, max(1, num_groups * num_kv_heads * m_blocks))
     splits = min(splits, triton.cdiv(max(1, max_prefix_len), cfg["min_split_tokens"]), cfg["max_splits"])

@@ -187,12 +187,15 @@ def linear_kind(weight) -> str:
     return "small linear" if weight.numel() * weight.element_size() <= SMALL_LINEAR_BYTES else "linear"
 
 
+def uses_pdl(device, kind: str) -> bool:
+    """Whether a kernel of this kind launches with PDL: the device supports it, kernels.OPTIONS["pdl"] is on
+    (--disable-pdl turns it off) and the kind is in PDL_KINDS."""
+    return bool(kernels.OPTIONS["pdl"]) and kind in PDL_KINDS and pdl_supported(device)
+
+
 def pdl_args(device, kind: str) -> dict:
-    """The launch arguments of a kernel built for PDL (a PDL constexpr): launch_pdl too where the device supports
-    it, kernels.OPTIONS["pdl"] is on (--disable-pdl turns it off) and its kind is in PDL_KINDS."""
-    if kernels.OPTIONS["pdl"] and kind in PDL_KINDS and pdl_supported(device):
-        return {"PDL": True, "launch_pdl": True}
-    return {"PDL": False}
+    """The launch arguments of a kernel built for PDL (a PDL constexpr), launch_pdl too where it uses it."""
+    return {"PDL": True, "launch_pdl": True} if uses_pdl(device, kind) else {"PDL": False}
 
 
 _COUNTERS: dict = {}

@@ -71,7 +71,7 @@ def per_front_end(outputs: list[StepOutput], count: int) -> list[tuple[int, list
         return []
     if count == 1:
         return [(0, messages(outputs))]
-    split: list[list[RequestOutput]] = [[] for _ in range(count)]
+    split: list[list[StepOutput]] = [[] for _ in range(count)]
     for out in outputs:
-        split[out.req.front_end].append(out.message or out.to_message())
-    return [(i, batch) for i, batch in enumerate(split) if batch]
+        split[out.req.front_end].append(out)
+    return [(i, messages(batch)) for i, batch in enumerate(split) if batch]

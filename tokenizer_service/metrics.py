@@ -249,9 +249,10 @@ class BatchHistogram:
             for i, n in added.items():
                 counts[i] += n
                 self._shared[i].inc(n)
-            if values:
-                self._shared_sum.inc(sum(values))
-        self.sum += sum(values)
+        total = sum(values)
+        if self._shared is not None and values:
+            self._shared_sum.inc(total)
+        self.sum += total
 
     def collect(self):
         cumulative, running = [], 0

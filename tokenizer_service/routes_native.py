@@ -101,7 +101,7 @@ def add_native_routes(app: FastAPI, ctx: ServingContext) -> None:
                 "num_requests_in_flight": ctx.manager.num_in_flight,  # this front end's
                 # --api-server-count: which of the HTTP processes answered (each binds the port; the kernel picks)
                 "api_server_count": ctx.args.api_server_count,
-                "api_server_index": ctx.api_server_index,
+                "api_server_index": ctx.manager.front_end,
                 "server_args": args,
             }
         )

@@ -106,7 +106,6 @@ async def _serve(
         manager=manager,
         metrics=metrics,
         started_at=int(time.time()),
-        api_server_index=index,
         responses_db=os.path.join(endpoints.ipc_dir, RESPONSES_DB) if shared else ":memory:",
     )
     app = build_app(ctx)

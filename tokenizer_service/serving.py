@@ -47,7 +47,6 @@ class ServingContext:
     metrics: ServerMetrics
     started_at: int
     tokenization: Tokenization | None = None  # built from the fields above when not given
-    api_server_index: int = 0  # this process among --api-server-count front ends
     responses_db: str = ":memory:"  # the stored responses' sqlite database (a shared file with several front ends)
 
     def __post_init__(self):
