@@ -206,7 +206,7 @@ def extend_case(report, prefix_lens, extend_lens, sweep, label, target, configs=
         b["max_extend_len"],
     )
     flops = extend_flops(prefix_lens, extend_lens, HQ, D)
-    default = triton_attention.extend_config(DTYPE, D, torch.device("cuda"), max(extend_lens))
+    default = triton_attention.extend_config(DTYPE, D, torch.device("cuda"), max(extend_lens), HQ // HKV)
     best = report.add(
         f"extend {label}",
         "default " + "/".join(str(v) for v in default.values()),

@@ -17,6 +17,7 @@ def run_small(check, torch, g, ew):
             check.decode(dtype, hq, hkv, d, [1, 83, 40, 17], "ragged lengths incl. 1", g, num_kv_splits=3)
     check.extend(torch.float32, 4, 1, 64, [0], [70], "one prefill, no prefix (3 row blocks)", g)
     check.extend(torch.float32, 4, 2, 32, [33, 0, 1, 2, 64], [1, 1, 1, 17, 32], "decodes in a mixed batch", g)
+    check.extend(torch.float32, 6, 2, 32, [10, 0, 40], [25, 7, 11], "GQA group of 3: padding rows in each block", g)
     check.decode(torch.float32, 4, 2, 32, [100, 3], "more splits than blocks", g, num_kv_splits=8)
     check.decode(torch.float32, 4, 2, 32, [300, 50, 1], "automatic split count", g)
     for index_dtype in (torch.int32, torch.int64):

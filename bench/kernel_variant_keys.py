@@ -229,7 +229,11 @@ class KernelVariants:
             triton_skinny_linear,
         )
 
-        twins = {"skinny_linear": lambda x, weight: F.linear(x, weight)}  # ops kernels/reference.py has no twin of
+        # The twins of the ops that kernels/reference.py has none of by their names.
+        twins = {
+            "skinny_linear": lambda x, weight: F.linear(x, weight),
+            "rmsnorm_skinny_linear": reference.rmsnorm_linear,
+        }
 
         class Shadow:
             """Each op: the Triton wrapper (its launches recorded, not run), then the torch twin (the result)."""
@@ -261,7 +265,9 @@ class KernelVariants:
             {
                 "qk_norm_rope_store": staticmethod(triton_qkv.qk_norm_rope_store),
                 "gate_up_silu": staticmethod(triton_mlp.gate_up_silu),
+                "rmsnorm_gate_up_silu": staticmethod(triton_mlp.rmsnorm_gate_up_silu),
                 "skinny_linear": staticmethod(triton_skinny_linear.skinny_linear),
+                "rmsnorm_skinny_linear": staticmethod(triton_skinny_linear.rmsnorm_skinny_linear),
             },
         )
         self._set(kernels, "_fused_impl", lambda t: Shadow(fused))
@@ -293,7 +299,7 @@ class KernelVariants:
         self._set(
             ta,
             "extend_config",
-            lambda dtype, d, device, n=None, programs=None: extend_config(bf16, d, gpu, n, programs),
+            lambda dtype, d, device, n=None, group=1: extend_config(bf16, d, gpu, n, group),
         )
         self._set(spa, "prefix_config", lambda dtype, device, *rows: prefix_config(bf16, gpu, *rows))
 

@@ -233,39 +233,39 @@ def decode_attention(
 # ---------------------------------------------------------------------------------------------
 
 
-# Per (dtype width, head_dim) on the GPU; chosen by the sweep in bench/kernel_bench.py.
+# Per (dtype width, head_dim, chunk length) on the GPU. BLOCK_M counts query rows, (token, head) pairs of one KV
+# head's group. Chosen by a sweep of the GQA-packed kernel on an H100 over cache-hit bursts, short chunks, W1's
+# chunks and cold prompts of 1,152-8,192 tokens at the Qwen3-0.6B and 8B shapes (bench/results/extend-gqa-h100.md).
 EXTEND_CONFIG = {
-    "16bit": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    "16bit": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    # Long chunks (>= EXTEND_LONG_TOKENS new tokens): compute-bound, the bigger tile wins (8,192 cold: 388 against
+    # 335 TFLOP/s).
+    "16bit_long": {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
     "16bit_small_d": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    # Batches of decodes / short chunks: rows past a request's extend are pure waste, so use few.
+    # A few rows per KV head (decodes, short chunks): rows past a request's extend are pure waste, so use few.
     "16bit_short": {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    # Narrower row blocks for grids too small to fill the device (extend_config).
-    "16bit_64": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    "16bit_32": {"BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     "fp32": {"BLOCK_M": 64, "BLOCK_N": 16, "num_warps": 8, "num_stages": 2},
     "interpret": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
 }
+EXTEND_LONG_TOKENS = 2048
 
 
-def extend_config(dtype, head_dim, device, max_extend_len=None, programs_per_row_block=None):
-    """programs_per_row_block: heads x requests. A chunk short beside its context (a cache hit's 128 new tokens over
-    1,024 cached) made a grid of one row block per head: 16 programs on 132 SMs reading the whole prefix each, 36 us
-    a layer on an H100. Rows per block halve (to 16) until the grid has two programs per SM."""
+def extend_config(dtype, head_dim, device, max_extend_len=None, group=1):
+    """BLOCK_M counts query rows: (token, query head) pairs of one KV head's group (_extend_kernel), so a block holds
+    BLOCK_M // group tokens. Narrower blocks for grids too small to fill the device measured no faster with the packed
+    rows (a cache hit's 128 new tokens over 1,024 cached, one request: 35 us in 64-row blocks, 37-53 in 16 or 32):
+    each program reads the whole prefix whatever its rows."""
     if device.type != "cuda":
         return EXTEND_CONFIG["interpret"]
     if dtype == torch.float32:
         return EXTEND_CONFIG["fp32"]
-    if max_extend_len is not None and max_extend_len <= EXTEND_CONFIG["16bit_short"]["BLOCK_M"]:
+    if max_extend_len is not None and max_extend_len * group <= EXTEND_CONFIG["16bit_short"]["BLOCK_M"]:
         return EXTEND_CONFIG["16bit_short"]
-    config = EXTEND_CONFIG["16bit" if head_dim > 64 else "16bit_small_d"]
-    if max_extend_len is None or programs_per_row_block is None:
-        return config
-    wanted = 2 * sm_count(device)
-    for narrower in ("16bit_64", "16bit_32", "16bit_short"):
-        if programs_per_row_block * triton.cdiv(max_extend_len, config["BLOCK_M"]) >= wanted:
-            break
-        config = EXTEND_CONFIG[narrower]
-    return config
+    if head_dim <= 64:
+        return EXTEND_CONFIG["16bit_small_d"]
+    if max_extend_len is not None and max_extend_len >= EXTEND_LONG_TOKENS:
+        return EXTEND_CONFIG["16bit_long"]
+    return EXTEND_CONFIG["16bit"]
 
 
 def extend_attention(
@@ -291,9 +291,11 @@ def extend_attention(
         return
     assert_last_dim_contiguous(q, k, v, o, k_cache, v_cache)
     assert req_to_token.stride(1) == 1
-    cfg = dict(extend_config(q.dtype, d, q.device, max_extend_len, hq * bsz), **(config or {}))
-    num_m_blocks = triton.cdiv(max_extend_len, cfg["BLOCK_M"])
-    _extend_kernel[(hq, num_m_blocks, bsz)](
+    group = hq // hkv
+    cfg = dict(extend_config(q.dtype, d, q.device, max_extend_len, group), **(config or {}))
+    block_m = max(cfg["BLOCK_M"], triton.next_power_of_2(group))  # a block holds at least one token's heads
+    num_m_blocks = triton.cdiv(max_extend_len, block_m // group)
+    _extend_kernel[(hkv, num_m_blocks, bsz)](
         q,
         k,
         v,
@@ -320,10 +322,10 @@ def extend_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         req_to_token.stride(0),
-        GROUP=hq // hkv,
+        GROUP=group,
         HEAD_DIM=d,
         BLOCK_D=triton.next_power_of_2(d),
-        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_M=block_m,
         BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
@@ -331,15 +333,14 @@ def extend_attention(
     )
 
 
-def extend_variants(dtype, head_dim, device):
-    """Every config extend_config can pick for this dtype and head_dim, over any longest extend and grid (the
-    narrowing follows products of the two, so powers of two of each reach every threshold)."""
+def extend_variants(dtype, head_dim, device, group=1):
+    """Every config extend_config can pick for this dtype, head_dim and GQA group, over any longest extend (its
+    thresholds are powers of two)."""
     configs = []
     for length in (None, *(2**i for i in range(17))):
-        for programs in (None, *(2**i for i in range(13))):
-            cfg = extend_config(dtype, head_dim, device, length, programs)
-            if cfg not in configs:
-                configs.append(cfg)
+        cfg = extend_config(dtype, head_dim, device, length, group)
+        if cfg not in configs:
+            configs.append(cfg)
     return configs
 
 
@@ -353,7 +354,7 @@ def compile_extend_variants(
     hkv, d = k_cache.shape[1], k_cache.shape[2]
     q = torch.zeros(1, num_heads, d, dtype=dtype, device=k_cache.device)
     k = torch.zeros(1, hkv, d, dtype=k_cache.dtype, device=k_cache.device)
-    for cfg in extend_variants(dtype, d, k_cache.device):
+    for cfg in extend_variants(dtype, d, k_cache.device, num_heads // hkv):
         extend_attention(
             q,
             k,

@@ -194,35 +194,41 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # One program = one query head x BLOCK_M new tokens x one request. Heads vary fastest in launch
-    # order, so the programs in flight together share one request's K/V and find it in L2; the last
-    # row blocks (which see the most keys) are launched first so no long program is left for the tail.
-    head = tl.program_id(0)
+    # One program = one KV head x BLOCK_M // GROUP new tokens of one request, for all GROUP query heads that read
+    # that KV head: its BLOCK_M query rows are (token, head) pairs, token-major, so each K/V block it gathers serves
+    # the whole group in one tensor-core tile (read once, not GROUP times) and a short chunk (a cache hit's few new
+    # tokens) still fills the tile. KV heads vary fastest in launch order, so the programs in flight together share
+    # one request's K/V and find it in L2; the last row blocks (which see the most keys) are launched first so no
+    # long program is left for the tail.
+    kv_head = tl.program_id(0)
     m_block = num_m_blocks - 1 - tl.program_id(1)
     req = tl.program_id(2)
+    TOKENS: tl.constexpr = BLOCK_M // GROUP  # the host makes BLOCK_M >= GROUP
 
     extend_len = tl.load(Extend_lens + req)
-    first_row = m_block * BLOCK_M
-    if first_row >= extend_len:
+    first_tok = m_block * TOKENS
+    if first_tok >= extend_len:
         return  # the grid is sized for the longest request of the batch
     prefix_len = tl.load(Prefix_lens + req)
     token0 = tl.load(Extend_start + req).to(tl.int64)
-    kv_head = head // GROUP
-    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
 
-    rows = first_row + tl.arange(0, BLOCK_M)
-    row_ok = rows < extend_len
+    r = tl.arange(0, BLOCK_M)
+    tok = first_tok + r // GROUP  # the new token of each query row (rows past TOKENS * GROUP are padding)
+    head = kv_head * GROUP + r % GROUP
+    row_ok = (r < TOKENS * GROUP) & (tok < extend_len)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q = load_rows(Q + token0 * stride_qt + head * stride_qh, rows, stride_qt, dims, row_ok, dim_ok, True, EVEN_D)
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    q_ptrs = Q + (token0 + tok)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # 1) Everything strictly before this query block: the cached prefix and the earlier new tokens,
-    #    all visible to every row. store_kv already put the new tokens' K/V into the cache, so one
-    #    gather through the table covers both. Whole blocks go unmasked; the ragged tail gets a mask.
+    # 1) Everything strictly before this block's first token: the cached prefix and the earlier new tokens, all
+    #    visible to every row. store_kv already put the new tokens' K/V into the cache, so one gather through the
+    #    table covers both. Whole blocks go unmasked; the ragged tail gets a mask.
     table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
     m_i, l_i, acc = attend_table_range(
         q,
@@ -231,7 +237,7 @@ def _extend_kernel(
         acc,
         table,
         0,
-        prefix_len + first_row,
+        prefix_len + first_tok,
         K_cache + kv_head * stride_kch,
         V_cache + kv_head * stride_vch,
         stride_kcn,
@@ -244,18 +250,19 @@ def _extend_kernel(
         DOT_PRECISION,
     )
 
-    # 2) The diagonal block, read from k/v directly: causal mask, and the request's last block may be ragged.
+    # 2) The block's own tokens, read from k/v directly: causal mask, and the request's last block may be ragged.
+    #    Every row sees at least the block's first token, so no row's softmax is empty.
     k_new = K + token0 * stride_kt + kv_head * stride_kh
     v_new = V + token0 * stride_vt + kv_head * stride_vh
-    diag_end = tl.minimum(first_row + BLOCK_M, extend_len)
-    for n0 in range(first_row, diag_end, BLOCK_N):
+    diag_end = tl.minimum(first_tok + TOKENS, extend_len)
+    for n0 in range(first_tok, diag_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
-        pos_ok = pos < extend_len
+        pos_ok = pos < diag_end
         k = load_rows(k_new, pos, stride_kt, dims, pos_ok, dim_ok, True, EVEN_D)
         v = load_rows(v_new, pos, stride_vt, dims, pos_ok, dim_ok, True, EVEN_D)
-        causal = (pos[None, :] <= rows[:, None]) & pos_ok[None, :]
+        causal = (pos[None, :] <= tok[:, None]) & pos_ok[None, :]
         m_i, l_i, acc = online_softmax_block(q, k, v, causal, m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
 
     out = (acc / l_i[:, None]).to(O.dtype.element_ty)
-    o_ptrs = O + (token0 + rows[:, None]) * stride_ot + head * stride_oh + dims[None, :]
+    o_ptrs = O + (token0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(o_ptrs, out, mask=row_ok[:, None] & dim_ok[None, :])

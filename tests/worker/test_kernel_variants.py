@@ -83,8 +83,8 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
 def test_extend_variants_of_every_batch_makeup_compile_at_start_up():
     # W1's shape at a quarter (4 system prompts of 512 tokens x 16 questions of 64), with the H100's block-size policy
     # and its CUDA graphs modelled (bench/kernel_variant_keys.py): all at once, no eager step of the warm-up selects
-    # the extend kernel's 16-row blocks, while a run queueing requests 3 at a time does (a few short chunks beside
-    # long contexts: extend_config narrows the blocks). Before ModelRunner compiled every extend variant at start-up,
+    # the extend kernel's 16-row blocks, while a run queueing requests 3 at a time does (a few short chunks: few rows
+    # per KV head). Before ModelRunner compiled every extend variant at start-up,
     # that run met _extend_kernel(... BLOCK_M=16 ...) first: the compile of ~1.4 s seen in W1 runs on an H100.
     child = _interpreted(
         "-m",
@@ -113,19 +113,19 @@ def test_extend_variants_of_every_batch_makeup_compile_at_start_up():
 
 
 def test_start_up_launches_every_extend_variant_the_h100_policy_can_select():
-    # The four row-block sizes extend_config picks on an H100 (128, then narrower for small grids, 16 for short
-    # chunks), each launched once by compile_extend_variants (recorded, not run).
+    # The three row-block sizes extend_config picks on an H100 at head_dim 128 (16 rows for short chunks, 64, 128 for
+    # chunks of 2,048 tokens or more), each launched once by compile_extend_variants (recorded, not run).
     from bench.kernel_variant_keys import KernelVariants
     from kernels import triton_attention
 
     i32 = lambda v: torch.tensor([v], dtype=torch.int32)  # noqa: E731
-    cache = torch.zeros(32, 2, 16)
+    cache = torch.zeros(32, 2, 128)
     with KernelVariants(shadow=True, h100=True) as variants:
         triton_attention.compile_extend_variants(
             4, torch.float32, cache, cache, torch.zeros(2, 64, dtype=torch.int32), i32(0), i32(0), i32(1), i32(0)
         )
     keys = variants.new_in("start")
-    assert {k.split("BLOCK_M=")[1].split(",")[0] for k in keys} == {"16", "32", "64", "128"}, keys
+    assert {k.split("BLOCK_M=")[1].split(",")[0] for k in keys} == {"16", "64", "128"}, keys
     assert all(k.startswith("_extend_kernel(") for k in keys)
 
 
