@@ -186,8 +186,10 @@ class ServerArgs:
         "piecewise CUDA graphs (attention eager between captured "
         "pieces; radixserve/worker/prefill_cuda_graph.py).",
     )
+    # 4096: a burst of 128 cache hits of 20 new tokens admits ~2,100 in one step, which at 2,048 ran eagerly, ~21 ms
+    # of host launches against ~11 as graphs (bench/results/extend-gqa-h100/prefill-graph-4096.md).
     prefill_cuda_graph_max_tokens: int = _flag(
-        2048, "Largest step (new tokens) that replays piecewise prefill CUDA graphs; larger steps run eagerly."
+        4096, "Largest step (new tokens) that replays piecewise prefill CUDA graphs; larger steps run eagerly."
     )
     # Off by default: faster in isolation on the H100, slower end to end (bench/results/kernels-h100-2026-11-24/).
     enable_one_launch_decode: bool = _flag(

@@ -61,6 +61,11 @@ class EngineBase:
     def _submit(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> None:
         raise NotImplementedError
 
+    def _submit_all(self, requests: list[tuple[str, list[int], SamplingParams]]) -> None:
+        """Queue requests that arrive together (a transport may send them as one message)."""
+        for rid, prompt_ids, params in requests:
+            self._submit(rid, prompt_ids, params)
+
     def _abort(self, rid: str) -> None:
         raise NotImplementedError
 
@@ -102,8 +107,7 @@ class EngineBase:
         bar = tqdm(total=len(pipelines), desc="Generating", disable=not use_tqdm)
         try:
             submitted = time.perf_counter()
-            for rid, pipeline in pipelines.items():
-                self._submit(rid, pipeline.prompt_ids, pipeline.params)
+            self._submit_all([(rid, p.prompt_ids, p.params) for rid, p in pipelines.items()])
             pending = len(pipelines)
             while pending:
                 for out in self._next_outputs():
@@ -182,6 +186,15 @@ class Engine(EngineBase):
         from radixserve.protocol import TokenizedRequest, pack_i32
 
         self._to_scheduler.send(TokenizedRequest(rid, pack_i32(prompt_ids), params, time.time()))
+
+    def _submit_all(self, requests) -> None:
+        from radixserve.protocol import TokenizedBatch, TokenizedRequest, pack_i32
+
+        if len(requests) == 1:
+            return self._submit(*requests[0])
+        now = time.time()
+        batch = [TokenizedRequest(rid, pack_i32(ids), params, now) for rid, ids, params in requests]
+        self._to_scheduler.send(TokenizedBatch(batch))
 
     def _abort(self, rid) -> None:
         from radixserve.protocol import AbortRequest

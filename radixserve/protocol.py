@@ -180,6 +180,14 @@ class TokenizedRequest(FromFrontEnd, tag=True):
     dp_rank: int | None = None  # --dp-size > 1: the replica an outside router chose (Dynamo's), else the controller's
 
 
+class TokenizedBatch(msgspec.Struct, tag=True):
+    """Requests that arrive together (Engine.generate over a list of prompts) in one message: the scheduler takes
+    them in one receive and can admit them into one step, where one message each reached it over ~12 ms for a burst
+    of 128 (H100 host) and went out in three steps."""
+
+    requests: list[TokenizedRequest]
+
+
 class AbortRequest(msgspec.Struct, tag=True):
     rid: str
 
@@ -222,6 +230,7 @@ class ListPinsRequest(FromFrontEnd, tag=True):
 
 TokenizerToScheduler = (
     TokenizedRequest
+    | TokenizedBatch
     | AbortRequest
     | FlushCacheRequest
     | ServerInfoRequest

@@ -30,6 +30,7 @@ from radixserve.protocol import (
     SchedulerLoad,
     ServerInfo,
     ServerInfoRequest,
+    TokenizedBatch,
     TokenizedRequest,
     TokenizerToScheduler,
     unpack_i32,
@@ -133,6 +134,9 @@ class DataParallelController:
         if isinstance(message, TokenizedRequest):
             i = self.router.route(message.rid, unpack_i32(message.input_ids), message.dp_rank)
             self.to_replicas[i].send(message)
+        elif isinstance(message, TokenizedBatch):  # routed one by one: each may go to its own replica
+            for request in message.requests:
+                self._from_front(request)
         elif isinstance(message, AbortRequest):
             owner = self.router.owner.get(message.rid)
             for i in [owner] if owner is not None else range(len(self.to_replicas)):

@@ -26,6 +26,7 @@ from radixserve.protocol import (
     ServerInfo,
     ServerInfoRequest,
     Shutdown,
+    TokenizedBatch,
     TokenizedRequest,
     TokenizerToScheduler,
     WorkerReady,
@@ -147,6 +148,9 @@ class SchedulerProcess:
             except ValueError as e:
                 req.error, req.finish_reason = str(e), "error"
                 self._send_outputs([StepOutput(req, [], finished=True)])
+        elif isinstance(message, TokenizedBatch):
+            for request in message.requests:
+                self._handle(request)
         elif isinstance(message, AbortRequest):
             self.scheduler.abort(message.rid)
         elif isinstance(message, FlushCacheRequest):
