@@ -247,10 +247,14 @@ def test_streaming_abort_and_a_worker_killed_mid_stream(deployment):
     assert chunks[-1].usage.completion_tokens == 8
 
     # A client that goes away: the frontend cancels, the worker aborts, and the scheduler frees the request's KV.
+    # Worker a idle first, so that num_running below counts this request alone; and as long a request as the tiny
+    # model's context (4,096) allows, so that it is still running when the client has read three events (once, in a
+    # full-suite run on 2 cores, the poll below never saw it running within 10 s).
+    wait_for(lambda: idle(a), "worker a idle before the long request", 30)
     long = {
         "model": MODEL,
         "prompt": "go on and on",
-        "max_tokens": 3000,
+        "max_tokens": 4000,
         "stream": True,
         "nvext": {"backend_instance_id": a.id},
         **NO_EOS,
