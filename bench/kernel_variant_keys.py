@@ -229,11 +229,7 @@ class KernelVariants:
             triton_skinny_linear,
         )
 
-        # The twins of the ops that kernels/reference.py has none of by their names.
-        twins = {
-            "skinny_linear": lambda x, weight: F.linear(x, weight),
-            "rmsnorm_skinny_linear": reference.rmsnorm_linear,
-        }
+        twins = {"skinny_linear": lambda x, weight: F.linear(x, weight)}  # ops kernels/reference.py has no twin of
 
         class Shadow:
             """Each op: the Triton wrapper (its launches recorded, not run), then the torch twin (the result)."""
@@ -265,9 +261,7 @@ class KernelVariants:
             {
                 "qk_norm_rope_store": staticmethod(triton_qkv.qk_norm_rope_store),
                 "gate_up_silu": staticmethod(triton_mlp.gate_up_silu),
-                "rmsnorm_gate_up_silu": staticmethod(triton_mlp.rmsnorm_gate_up_silu),
                 "skinny_linear": staticmethod(triton_skinny_linear.skinny_linear),
-                "rmsnorm_skinny_linear": staticmethod(triton_skinny_linear.rmsnorm_skinny_linear),
             },
         )
         self._set(kernels, "_fused_impl", lambda t: Shadow(fused))
