@@ -11,7 +11,7 @@ import numpy as np
 
 from radixserve.cache.host_tier import HostTier
 from radixserve.cache.radix_cache import RadixCache
-from radixserve.cache.tree_node import TreeNode
+from radixserve.cache.tree_node import MatchResult, TreeNode
 from radixserve.cache.slot_allocator import ReqPoolAllocator, TokenSlotAllocator
 from radixserve.config import ServerArgs
 from radixserve.protocol import ReusedSlots
@@ -82,7 +82,8 @@ class Admission:
         """Admit waiting requests while their first chunk plus a decode reserve fits in free + evictable slots."""
         if not self.waiting or self.row_allocator.num_free == 0:
             return []  # (no row, no admission: skip ordering the queue, which matches every prompt under LPM)
-        ordered = order_waiting_queue(self.waiting, self.tree, self.args, step)
+        lpm_matches: dict = {}  # what the LPM order matched: reused below while nothing has been evicted since
+        ordered = order_waiting_queue(self.waiting, self.tree, self.args, step, lpm_matches)
         # Prompts being computed right now (not yet whole in the tree) that a waiting request could share.
         # (Only a tenant's own prompts: another cache_salt's can never be shared, and waiting on it would leak.)
         # Those admitted below are looked up by (salt, cached length, the token after it) instead: one that shares more
@@ -105,9 +106,7 @@ class Admission:
             # request computes its whole prompt (as SGLang matches nothing below a request's logprob_start_len).
             matchable = 0 if req.prompt_logprobs is not None and not req.output_ids else len(fill) - 1
             # No hit yet: a request that waits is looked up again every step (its hit is counted on admission).
-            match = self.tree.match_prefix(
-                fill[:matchable], namespace=req.cache_salt, priority=req.priority, record_hit=False
-            )
+            match = self._match(req, fill, matchable, lpm_matches.get(id(req)))
             if self.host_tier is not None:  # more of the prompt kept in host memory comes back by a copy, not compute
                 match = self.host_tier.load(fill[:matchable], match, req.cache_salt, req.priority, reserve=committed)
             prefix_len = len(match.slots)
@@ -144,6 +143,23 @@ class Admission:
             committed += n
             available -= need
         return admitted
+
+    def _match(self, req: Req, fill: np.ndarray, matchable: int, lpm_match) -> MatchResult:
+        """The cached prefix of fill[:matchable]: the LPM order's match of the same tokens when it still holds (no
+        eviction since; no priority to raise along the path; no host tier, whose loads grow the tree), else a new one.
+        A burst of 128 cache hits matched each prompt twice: a quarter of admission's CPU
+        (bench/results/admission-burst-cpu.md)."""
+        if (
+            lpm_match is not None
+            and lpm_match[1] == self.tree.evicted_tokens
+            and matchable == len(fill) - 1
+            and req.priority == 0
+            and self.host_tier is None
+        ):
+            return lpm_match[0]
+        return self.tree.match_prefix(
+            fill[:matchable], namespace=req.cache_salt, priority=req.priority, record_hit=False
+        )
 
     def _start(self, req: Req, match) -> None:
         """The request runs from here: a row, its cached prefix (locked by the caller), its place in the batch."""

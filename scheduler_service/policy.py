@@ -25,8 +25,13 @@ from scheduler_service.request import Req
 LPM_MAX_QUEUE = 128
 
 
-def order_waiting_queue(waiting: deque[Req], tree: RadixCache, args: ServerArgs, step: int) -> list[Req]:
-    ordered = _policy_order(waiting, tree, args, step)
+def order_waiting_queue(
+    waiting: deque[Req], tree: RadixCache, args: ServerArgs, step: int, matches: dict | None = None
+) -> list[Req]:
+    """The waiting queue in admission order. matches: filled with id(req) -> (its MatchResult, the tree's
+    evicted_tokens when it was taken) for each request that LPM matched, so that admission can reuse the match while
+    nothing has been evicted since (a split keeps the node a match ends at: radixserve/cache/tree_node.split_node)."""
+    ordered = _policy_order(waiting, tree, args, step, matches)
     if not args.enable_priority_scheduling:
         return interleave_request_groups(ordered)
     return [req for level in _priority_levels(ordered, args, step) for req in interleave_request_groups(level)]
@@ -68,7 +73,9 @@ def interleave_request_groups(ordered: list[Req]) -> list[Req]:
     return [ordered[position] for _, _, position in sorted(keys)]
 
 
-def _policy_order(waiting: deque[Req], tree: RadixCache, args: ServerArgs, step: int) -> list[Req]:
+def _policy_order(
+    waiting: deque[Req], tree: RadixCache, args: ServerArgs, step: int, matches: dict | None
+) -> list[Req]:
     if args.schedule_policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE or tree.disable:
         return list(waiting)
     aged = [r for r in waiting if _is_aged(r, args, step)]
@@ -76,6 +83,12 @@ def _policy_order(waiting: deque[Req], tree: RadixCache, args: ServerArgs, step:
         return aged
     aged_ids = {id(r) for r in aged}
     fresh = [r for r in waiting if id(r) not in aged_ids]
+    matches = {} if matches is None else matches
+    for r in fresh:
+        matches[id(r)] = (
+            tree.match_prefix(r.fill_ids()[:-1], namespace=r.cache_salt, record_hit=False),
+            tree.evicted_tokens,
+        )
     # sorted() is stable, so requests with equally long cached prefixes keep their arrival order.
-    fresh.sort(key=lambda r: -len(tree.match_prefix(r.fill_ids()[:-1], namespace=r.cache_salt, record_hit=False).slots))
+    fresh.sort(key=lambda r: -len(matches[id(r)][0].slots))
     return aged + fresh
