@@ -235,7 +235,7 @@ def decode_attention(
 
 # Per (dtype width, head_dim, chunk length) on the GPU. BLOCK_M counts query rows, (token, head) pairs of one KV
 # head's group. Chosen by a sweep of the GQA-packed kernel on an H100 over cache-hit bursts, short chunks, W1's
-# chunks and cold prompts of 1,152-8,192 tokens at the Qwen3-0.6B and 8B shapes (bench/results/extend-gqa-h100.md).
+# chunks and cold prompts of 1,152-8,192 tokens at the Qwen3-0.6B and 8B shapes (bench/results/extend-gqa-h100/).
 EXTEND_CONFIG = {
     "16bit": {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
     # Long chunks (>= EXTEND_LONG_TOKENS new tokens): compute-bound, the bigger tile wins (8,192 cold: 388 against
