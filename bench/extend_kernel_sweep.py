@@ -7,15 +7,15 @@ request's context at scattered slots (bench/paged_batch.py): issue 27's burst of
 tokens over 1,520 cached), shorter chunks (4 new tokens), a lone cache hit (128 over 1,024), W1's chunks (16 x 128 over
 1,024), cold prompts of 1,152 and 8,192 tokens, a chunk of 2,048 over 8,192 cached and 4 prompts of 2,048. For each:
 the default config (kernels/triton_attention.extend_config) and every config of CONFIGS, median of
-triton.testing.do_bench, the causal FLOP rate, and the largest difference from the default's output."""
+bench.kernel_bench.median_ms, the causal FLOP rate, and the largest difference from the default's output."""
 
 from __future__ import annotations
 
 import argparse
 
 import torch
-from triton.testing import do_bench
 
+from bench.kernel_bench import extend_flops, median_ms
 from bench.paged_batch import make_paged_batch
 from kernels import triton_attention
 
@@ -64,7 +64,7 @@ def sweep(name: str, hq: int, hkv: int, prefix_lens: list[int], extend_lens: lis
         128**-0.5,
         max(extend_lens),
     )
-    flops = sum(4 * e * (p + e / 2) * hq * 128 for p, e in zip(prefix_lens, extend_lens))
+    flops = extend_flops(prefix_lens, extend_lens, hq, 128)
     triton_attention.extend_attention(*args)
     reference = out.clone()
     rows = []
@@ -75,7 +75,7 @@ def sweep(name: str, hq: int, hkv: int, prefix_lens: list[int], extend_lens: lis
         out.fill_(float("nan"))
         run()
         err = (out.float() - reference.float()).abs().max().item()
-        rows.append((label, do_bench(run, warmup=30, rep=100, return_mode="median"), err))
+        rows.append((label, median_ms(run), err))
     best = min(ms for _, ms, _ in rows)
     for label, ms, err in rows:
         mark = " <== best" if ms == best else ""

@@ -24,14 +24,13 @@ def make_loop(slots: int) -> SerialStepLoop:
 
 
 def count_matches(tree) -> list:
-    """Each match_prefix call's (tokens, result), recorded."""
+    """A list that gets one entry per match_prefix call from here on."""
     calls = []
     match = tree.match_prefix
 
     def recorded(tokens, *args, **kwargs):
-        result = match(tokens, *args, **kwargs)
-        calls.append((np.asarray(tokens).copy(), result))
-        return result
+        calls.append(len(tokens))
+        return match(tokens, *args, **kwargs)
 
     tree.match_prefix = recorded
     return calls
