@@ -61,6 +61,7 @@ def test_token_buckets_cover_every_size_with_bounded_padding():
         b = next(size for size in buckets if size >= n)
         assert b - n < max(16, n)  # at most the step again (small steps), else under a third more
         assert n <= 256 or (b - n) / n < 1 / 3
+        assert n <= 1024 or (b - n) / n < 1 / 8
     assert token_buckets(100)[-1] == 100
 
 
