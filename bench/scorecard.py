@@ -5,8 +5,8 @@ with commit, date, GPU and one key per figure: the median of repeated runs, and 
 
     python -m bench.scorecard --tokenizer DIR --parts 06b,serve      # one call of < 10 minutes on an H100
     python -m bench.scorecard --tokenizer DIR --parts 8b
-    python -m bench.scorecard --tokenizer DIR --parts burst          # issue 27's burst of 128 chats (3-4 minutes)
-    python -m bench.scorecard --tokenizer DIR --parts burst --burst-api-servers 4   # the same, 4 HTTP processes
+    python -m bench.scorecard --tokenizer DIR --parts burst          # issue 27's burst of 128 chats (1-2 minutes)
+    python -m bench.scorecard --tokenizer DIR --parts burst --burst-api-servers 1   # the same, one HTTP process
     python -m bench.scorecard --parts fidelity                       # real weights (the demo model)
 
 A part adds its keys to the file and leaves the others' as they were, so that the parts can run in separate calls.
@@ -34,6 +34,7 @@ from bench.latency import measure as measure_latency
 from bench.offline_throughput import Workload, prompts_for, timed_run
 from bench.run_record import REPO, run_record
 from radixserve.engine import Engine
+from radixserve.runtime.front_ends import default_count as default_front_end_count
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import dummy_config_dir
 
@@ -197,10 +198,11 @@ def serve_part(tokenizer: str, repeats: int, card: dict) -> None:
     card["serve_itl_over_engine_step"] = round(card["serve_itl_ms"] / card["engine_step_ms_serve_shape"], 3)
 
 
-def burst_part(tokenizer: str, repeats: int, card: dict, api_servers: int = 1) -> None:
+def burst_part(tokenizer: str, repeats: int, card: dict, api_servers: int | None = None) -> None:
     """bench.ttft_under_load's burst (0.6B shape): 128 streamed chat requests at once through the openai client over
     8 cached system prompts of ~1,520 tokens, after a warm-up; TTFT p50 / p99 of each timed burst. api_servers: the
-    server's HTTP processes (--api-server-count), recorded in the card beside the figures."""
+    server's HTTP processes (--api-server-count; None: the server's default for this machine), recorded in the card
+    beside the figures."""
     import multiprocessing
 
     from bench.ttft_under_load import run_mode, system_prompts
@@ -211,7 +213,7 @@ def burst_part(tokenizer: str, repeats: int, card: dict, api_servers: int = 1) -
         load_format="dummy",
         tokenizer=tokenizer,
         config=SHAPES["06b"],
-        server_flags=f"--api-server-count {api_servers}",
+        server_flags="" if api_servers is None else f"--api-server-count {api_servers}",
         seed=0,
         client_procs=4,
         shared_client=False,
@@ -224,7 +226,7 @@ def burst_part(tokenizer: str, repeats: int, card: dict, api_servers: int = 1) -
         result = run_mode("pieces", str(dummy_config_dir(SHAPES["06b"], tokenizer)), ns, prompts, pool)
     put(card, "serve_burst_ttft_p50_ms", result["ttft_p50_ms"]["runs"], 1, 1)
     put(card, "serve_burst_ttft_p99_ms", result["ttft_p99_ms"]["runs"], 1, 1)
-    card["serve_burst_api_servers"] = api_servers
+    card["serve_burst_api_servers"] = default_front_end_count("cuda") if api_servers is None else api_servers
 
 
 def fidelity_part(card: dict) -> None:
@@ -255,7 +257,7 @@ def main() -> None:
     parser.add_argument("--parts", default="06b,serve", help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--burst-api-servers", type=int, default=1, help="the burst part's server: --api-server-count (default 1)"
+        "--burst-api-servers", type=int, help="the burst part's server: --api-server-count (default: the server's)"
     )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scorecard-h100.json"))
     ns = parser.parse_args()

@@ -248,11 +248,12 @@ class ServerArgs:
         "HTTP port (python -m radixserve.dynamo: its Dynamo system server's, for /health, "
         "/metrics and /engine/control/...).",
     )
-    api_server_count: int = _flag(
-        1,
+    api_server_count: int | None = _flag(
+        None,
         "HTTP front-end processes (as vLLM's --api-server-count): each parses, tokenizes and streams on its own "
         "event loop, all on --port (the kernel spreads connections over them), one scheduler behind them. /metrics "
         "and stored /v1/responses are shared; --max-queued-requests and the chat segment cache are per process. "
+        "Default: on a GPU one per 2 CPUs this process may use, at most 8; on the CPU device 1. "
         "launch.py only (Engine and the Dynamo worker are one front end).",
     )
     api_key: str | None = _flag(

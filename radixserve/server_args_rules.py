@@ -70,7 +70,7 @@ def apply_rules(args: ServerArgs) -> None:
         raise ValueError(f"--max-header-bytes must be >= 1024, got {args.max_header_bytes}")
     if args.kv_events_block_size is not None and args.kv_events_block_size < 0:
         raise ValueError(f"--kv-events-block-size must be >= 0 (0: no KV events), got {args.kv_events_block_size}")
-    if args.api_server_count < 1:
+    if args.api_server_count is not None and args.api_server_count < 1:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port out of range: {args.port}")

@@ -18,6 +18,18 @@ from radixserve.runtime.ipc import Channel, Endpoints
 METRICS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus-client when it is imported: set at spawn
 
 
+def default_count(device: str) -> int:
+    """--api-server-count when not given. One event loop takes a burst's requests in, detokenizes and streams every
+    token: on an H100 128 streamed chats arriving at once got their first token at p50 191 / p99 305 ms through one
+    front end, 119 / 194 through 4 and 107-111 / 162-165 through 8, on a 16-CPU host
+    (bench/results/ttft-under-load-h100.md). So on a GPU: one per 2 CPUs, at most 8. On the CPU device the model,
+    not the front end, bounds every step: one."""
+    if device == "cpu":
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(8, cpus // 2))
+
+
 def front_end_name(index: int, count: int) -> str:
     """The child's name in the launcher's messages (ready, heartbeats, deaths)."""
     return "tokenizer" if count == 1 else f"tokenizer-{index}"

@@ -22,6 +22,7 @@ import zmq
 from radixserve.config import ServerArgs
 from radixserve.runtime.data_parallel import replica_endpoints, replica_gpus
 from radixserve.runtime.front_ends import FrontEndLinks, front_end_env, front_end_name, is_front_end
+from radixserve.runtime.front_ends import default_count as default_front_end_count
 from radixserve.runtime.heartbeat import heartbeat_interval
 from radixserve.runtime.ipc import Channel, Endpoints, make_ipc_dir
 from radixserve.runtime.node_keys import SECRET_ENV, read_secret
@@ -144,10 +145,12 @@ def cpu_worker_malloc_env() -> dict[str, str]:
 class Launcher:
     def __init__(self, args: ServerArgs, serve_http: bool = True):
         self.args = args
-        if not serve_http and args.api_server_count > 1:
+        if not serve_http and (args.api_server_count or 1) > 1:
             raise LaunchError("--api-server-count is launch.py's: Engine and the Dynamo worker are one front end")
         self.serve_http = serve_http and args.node_rank == 0  # nodes > 0 run workers only
         serve_http = self.serve_http
+        if args.api_server_count is None:
+            args.api_server_count = default_front_end_count(args.device) if serve_http else 1
         self.model_dir = str(resolve_model_dir(args.model))
         if args.model is None and args.served_model_name is None:
             args.served_model_name = DEMO_MODEL_NAME
