@@ -31,6 +31,11 @@ def check_prompt_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt")
     """The prompt as a list of ints, or InvalidRequest if it is empty or holds an id outside the vocabulary."""
     if len(ids) == 0:
         raise InvalidRequest(f"{param} must not be empty (it tokenizes to no tokens)", param)
+    if type(ids) is list and set(map(type, ids)) == {int} and min(ids) >= 0 and max(ids) < vocab_size:
+        # A list of Python ints (a tokenizer's, most callers'): checked in C, with no array made. It is on a first
+        # token's path: a 1,152-token prompt took 58 us through the array below on the 2-core CI box, 35 here (and
+        # 250 us under cProfile on the H100 machine's slower host).
+        return list(ids)
     try:
         array = np.asarray(ids, dtype=np.int64)
         outside = np.flatnonzero((array < 0) | (array >= vocab_size)).tolist()
