@@ -39,7 +39,7 @@ class Checker:
             flush=True,
         )
 
-    def extend(self, dtype, hq, hkv, d, prefix_lens, extend_lens, case, g):
+    def extend(self, dtype, hq, hkv, d, prefix_lens, extend_lens, case, g, num_splits=None):
         torch = self.torch
         b = make_paged_batch(torch, prefix_lens, extend_lens, hq, hkv, d, dtype, self.device, g)
         scale = d**-0.5
@@ -57,7 +57,8 @@ class Checker:
         ref = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=self.device)
         self.ref.extend_attention(b["q"], b["k"], b["v"], ref, *args)
         out = torch.full_like(b["q"], float("nan"))
-        self.tri.extend_attention(b["q"], b["k"], b["v"], out, *args)
+        config = {"num_splits": num_splits} if num_splits else None
+        self.tri.extend_attention(b["q"], b["k"], b["v"], out, *args, config=config)
         self.record(
             "extend_attention",
             dtype,

@@ -6,7 +6,8 @@ Geometries, Qwen3-0.6B (16 query heads over 8 KV heads) and Qwen3-8B (32 over 8)
 request's context at scattered slots (bench/paged_batch.py): issue 27's burst of cache hits (102 requests of 20 new
 tokens over 1,520 cached), shorter chunks (4 new tokens), a lone cache hit (128 over 1,024), W1's chunks (16 x 128 over
 1,024), cold prompts of 1,152 and 8,192 tokens, a chunk of 2,048 over 8,192 cached and 4 prompts of 2,048. For each:
-the default config (kernels/triton_attention.extend_config) and every config of CONFIGS, median of
+the default config (kernels/triton_attention.extend_config, its split count from extend_num_splits), the default
+with the keys split in 1, 2, 4 and 8, and every config of CONFIGS, median of
 bench.kernel_bench.median_ms, the causal FLOP rate, and the largest difference from the default's output."""
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def sweep(name: str, hq: int, hkv: int, prefix_lens: list[int], extend_lens: lis
     triton_attention.extend_attention(*args)
     reference = out.clone()
     rows = []
-    for label, cfg in [("default", None)] + [
+    splits = [(f"default, {k} split{'s' * (k > 1)}", dict(num_splits=k)) for k in (1, 2, 4, 8)]
+    for label, cfg in [("default", None), *splits] + [
         (f"M{m} N{n} w{w} s{s}", dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)) for m, n, w, s in CONFIGS
     ]:
         run = lambda: triton_attention.extend_attention(*args, config=cfg)  # noqa: E731

@@ -18,6 +18,12 @@ def run_small(check, torch, g, ew):
     check.extend(torch.float32, 4, 1, 64, [0], [70], "one prefill, no prefix (3 row blocks)", g)
     check.extend(torch.float32, 4, 2, 32, [33, 0, 1, 2, 64], [1, 1, 1, 17, 32], "decodes in a mixed batch", g)
     check.extend(torch.float32, 6, 2, 32, [10, 0, 40], [25, 7, 11], "GQA group of 3: padding rows in each block", g)
+    # Keys split across programs (a grid too small for the device): empty slices (prefix 0, a short prefix cut in
+    # 3), the last slice's ragged tail, a decode row, a GQA group of 3.
+    check.extend(torch.float32, 4, 2, 32, [50, 0, 3, 9], [9, 40, 1, 20], "keys split in 4", g, num_splits=4)
+    check.extend(torch.float16, 6, 2, 32, [70, 0], [30, 17], "keys split in 3, GQA 3", g, num_splits=3)
+    check.extend(torch.float32, 4, 1, 64, [0], [5], "split keys, all but the last slice empty", g, num_splits=8)
+    check.extend(torch.float32, 4, 1, 32, [40], [3], "automatic split count (a lone hit's small grid)", g)
     check.decode(torch.float32, 4, 2, 32, [100, 3], "more splits than blocks", g, num_kv_splits=8)
     check.decode(torch.float32, 4, 2, 32, [300, 50, 1], "automatic split count", g)
     for index_dtype in (torch.int32, torch.int64):
@@ -51,6 +57,8 @@ def run_full(check, torch, g, ew):
                 full = dtype == torch.bfloat16 or (hq, hkv) == (32, 8)
                 check.extend(dtype, hq, hkv, d, [0], [4100], "prefill 4100, prefix 0", g)
                 check.extend(dtype, hq, hkv, d, [4000, 0, 1, 2049], [100, 1, 333, 1], "prefix 4000 + mixed decodes", g)
+                check.extend(dtype, hq, hkv, d, [1024], [128], "a lone hit: 1,024 cached + 128 (keys split)", g)
+                check.extend(dtype, hq, hkv, d, [3000, 0], [20, 7], "keys split in 8", g, num_splits=8)
                 check.decode(dtype, hq, hkv, d, [4100], "1 x 4100", g)
                 check.decode(dtype, hq, hkv, d, [rnd.randint(1, 4100) for _ in range(7)] + [1], "8 random <=4100", g)
                 if not full:

@@ -13,15 +13,22 @@ Block sizes, warps, stages and the decode split policy were chosen by the sweeps
 bench/kernel_bench.py on an H100 (bench/results/kernels-h100*.md). What the attention kernels share
 (the online-softmax step, the split merge, the jit decorator that keeps values following the batch's
 makeup out of Triton's specialization key) is in kernels/triton_common.py. This module holds the launches and
-their policy (store_kv's kernel, small, with them); the decode and extend kernels themselves are in
-kernels/triton_attention_kernels.py.
+their policy; the decode and extend kernels themselves are in kernels/triton_attention_kernels.py, store_kv (which
+this module passes on as the backend's) in kernels/triton_store_kv.py.
 """
 
 import torch
 import triton
-import triton.language as tl
 
-from kernels.triton_attention_kernels import _decode_merge_kernel, _decode_split_kernel, _extend_kernel
+import kernels
+
+from kernels.triton_store_kv import store_kv  # noqa: F401 (the backend's API: kernels/__init__.py)
+from kernels.triton_attention_kernels import (
+    _decode_merge_kernel,
+    _decode_split_kernel,
+    _extend_kernel,
+    _extend_merge_kernel,
+)
 from kernels.triton_common import (
     LOG2E,
     MERGE_BLOCK_S,
@@ -32,77 +39,6 @@ from kernels.triton_common import (
     sm_count,
     split_capacity,
 )
-
-
-# ---------------------------------------------------------------------------------------------
-# store_kv
-# ---------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _store_kv_kernel(
-    K,
-    V,
-    K_cache,
-    V_cache,
-    Loc,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kcn,
-    stride_kch,
-    stride_vcn,
-    stride_vch,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    token = tl.program_id(0)
-    slot = tl.load(Loc + token).to(tl.int64)
-    heads = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < NUM_HEADS) & (dims[None, :] < HEAD_DIM)
-    k = tl.load(K + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
-    v = tl.load(V + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
-    tl.store(
-        K_cache + slot * stride_kcn + heads[:, None] * stride_kch + dims[None, :],
-        k.to(K_cache.dtype.element_ty),
-        mask=mask,
-    )
-    tl.store(
-        V_cache + slot * stride_vcn + heads[:, None] * stride_vch + dims[None, :],
-        v.to(V_cache.dtype.element_ty),
-        mask=mask,
-    )
-
-
-def store_kv(k, v, k_cache, v_cache, out_cache_loc):
-    n, hkv, d = k.shape
-    if n == 0:
-        return
-    assert_last_dim_contiguous(k, v, k_cache, v_cache)
-    _store_kv_kernel[(n,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        out_cache_loc,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        NUM_HEADS=hkv,
-        HEAD_DIM=d,
-        BLOCK_H=triton.next_power_of_2(hkv),
-        BLOCK_D=triton.next_power_of_2(d),
-        num_warps=4 if hkv * d >= 1024 else 1,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -248,6 +184,23 @@ EXTEND_CONFIG = {
     "interpret": {"BLOCK_M": 32, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1},
 }
 EXTEND_LONG_TOKENS = 2048
+# Key splits of a grid too small for the device (extend_num_splits); at most one merge tile of partials, so that the
+# merge's first tile always holds the last split, never empty.
+EXTEND_MAX_SPLITS = 8
+assert EXTEND_MAX_SPLITS <= MERGE_BLOCK_S
+
+
+def extend_num_splits(programs: int, device) -> int:
+    """Programs per row block: 1 when the grid fills the device twice, else enough to. A lone cache hit is a small
+    grid whose every program reads the whole prefix: 128 new tokens over 1,024 cached on Qwen3-0.6B are 8 KV heads x
+    4 row blocks, 32 programs on 132 SMs. Inside a CUDA graph on an H100 (bench/results/extend-split-h100.md) that
+    call took 25.4 us unsplit and 15.0 in 8 splits, Qwen3-8B's (64 programs) 25.9 and 20.6 in 4; 20 new tokens over
+    1,520 (0.6B, 8 programs) 31.7 and 12.7 in 8. Twice the SMs rather than once: 4 splits of the 0.6B hit, 15.4 us;
+    2 of the 8B one, 24.1."""
+    target = 2 * sm_count(device)
+    if programs >= target:
+        return 1
+    return power_of_two_at_most(min(EXTEND_MAX_SPLITS, target // programs))
 
 
 def extend_config(dtype, head_dim, device, max_extend_len=None, group=1):
@@ -295,11 +248,23 @@ def extend_attention(
     cfg = dict(extend_config(q.dtype, d, q.device, max_extend_len, group), **(config or {}))
     block_m = max(cfg["BLOCK_M"], triton.next_power_of_2(group))  # a block holds at least one token's heads
     num_m_blocks = triton.cdiv(max_extend_len, block_m // group)
-    _extend_kernel[(hkv, num_m_blocks, bsz)](
+    splits = cfg.get("num_splits") or extend_num_splits(hkv * num_m_blocks * bsz, q.device)
+    if not kernels.OPTIONS["extend_key_splits"] and not cfg.get("num_splits"):
+        splits = 1
+    block_d = triton.next_power_of_2(d)
+    if splits > 1:  # the split programs' partials, for the merge
+        mid_o = torch.empty((t, hq, splits, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((t, hq, split_capacity(splits)), dtype=torch.float32, device=q.device)
+    else:  # placeholders, never touched (strides of the same divisibility: the same binary)
+        mid_o = torch.empty((1, 1, 1, d), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((1, 1, split_capacity(1)), dtype=torch.float32, device=q.device)
+    _extend_kernel[(hkv, num_m_blocks * splits, bsz)](
         q,
         k,
         v,
         o,
+        mid_o,
+        mid_lse,
         k_cache,
         v_cache,
         req_to_token,
@@ -309,6 +274,7 @@ def extend_attention(
         extend_start_loc,
         sm_scale * LOG2E,
         num_m_blocks,
+        splits,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -322,15 +288,38 @@ def extend_attention(
         v_cache.stride(0),
         v_cache.stride(1),
         req_to_token.stride(0),
+        mid_o.stride(0),
+        mid_o.stride(1),
+        mid_o.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
         GROUP=group,
         HEAD_DIM=d,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+    if splits > 1:
+        _extend_merge_kernel[(t, hq)](
+            mid_o,
+            mid_lse,
+            o,
+            mid_o.stride(0),
+            mid_o.stride(1),
+            mid_o.stride(2),
+            mid_lse.stride(0),
+            mid_lse.stride(1),
+            o.stride(0),
+            o.stride(1),
+            splits,
+            HEAD_DIM=d,
+            BLOCK_S=MERGE_BLOCK_S,
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
+        )
 
 
 def extend_variants(dtype, head_dim, device, group=1):

@@ -157,14 +157,16 @@ def _decode_merge_kernel(
     tl.store(O + req * stride_ob + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)
 
 
-# num_m_blocks (the longest extend of the batch in row blocks) is a runtime int: specialised, its value 1 or a multiple
-# of 16 made a variant of its own, met or not according to the batch's makeup.
-@jit(do_not_specialize=["num_m_blocks"])
+# num_m_blocks (the longest extend of the batch in row blocks) and num_splits are runtime ints: specialised, a value
+# of 1 or a multiple of 16 made a variant of its own, met or not according to the batch's makeup.
+@jit(do_not_specialize=["num_m_blocks", "num_splits"])
 def _extend_kernel(
     Q,
     K,
     V,
     O,
+    Mid_o,
+    Mid_lse,
     K_cache,
     V_cache,
     Req_to_token,
@@ -174,6 +176,7 @@ def _extend_kernel(
     Extend_start,
     qk_scale,
     num_m_blocks,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -187,6 +190,11 @@ def _extend_kernel(
     stride_vcn,
     stride_vch,
     stride_rt,
+    stride_mot,
+    stride_moh,
+    stride_mos,
+    stride_mlt,
+    stride_mlh,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -200,8 +208,13 @@ def _extend_kernel(
     # tokens) still fills the tile. KV heads vary fastest in launch order, so the programs in flight together share
     # one request's K/V and find it in L2; the last row blocks (which see the most keys) are launched first so no
     # long program is left for the tail.
+    # With num_splits > 1 (a grid too small to fill the device: a lone cache hit's few row blocks), num_splits programs
+    # share a row block: each takes one slice of the keys before the block and writes a softmax-normalised partial
+    # and its log-sum-exp; the last also takes the block's own tokens, so its softmax is never empty, and
+    # _extend_merge_kernel folds the partials into O.
     kv_head = tl.program_id(0)
-    m_block = num_m_blocks - 1 - tl.program_id(1)
+    m_block = num_m_blocks - 1 - tl.program_id(1) // num_splits
+    split = tl.program_id(1) % num_splits
     req = tl.program_id(2)
     TOKENS: tl.constexpr = BLOCK_M // GROUP  # the host makes BLOCK_M >= GROUP
 
@@ -230,14 +243,16 @@ def _extend_kernel(
     #    visible to every row. store_kv already put the new tokens' K/V into the cache, so one gather through the
     #    table covers both. Whole blocks go unmasked; the ragged tail gets a mask.
     table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
+    seen = prefix_len + first_tok
+    slice_len = tl.cdiv(tl.cdiv(seen, num_splits), BLOCK_N) * BLOCK_N  # whole blocks but the last slice's tail
     m_i, l_i, acc = attend_table_range(
         q,
         m_i,
         l_i,
         acc,
         table,
-        0,
-        prefix_len + first_tok,
+        tl.minimum(split * slice_len, seen),
+        tl.minimum((split + 1) * slice_len, seen),
         K_cache + kv_head * stride_kch,
         V_cache + kv_head * stride_vch,
         stride_kcn,
@@ -255,6 +270,8 @@ def _extend_kernel(
     k_new = K + token0 * stride_kt + kv_head * stride_kh
     v_new = V + token0 * stride_vt + kv_head * stride_vh
     diag_end = tl.minimum(first_tok + TOKENS, extend_len)
+    if split < num_splits - 1:
+        diag_end = first_tok  # the last split's work
     for n0 in range(first_tok, diag_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < diag_end
@@ -263,6 +280,53 @@ def _extend_kernel(
         causal = (pos[None, :] <= tok[:, None]) & pos_ok[None, :]
         m_i, l_i, acc = online_softmax_block(q, k, v, causal, m_i, l_i, acc, qk_scale, True, DOT_PRECISION)
 
-    out = (acc / l_i[:, None]).to(O.dtype.element_ty)
-    o_ptrs = O + (token0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(o_ptrs, out, mask=row_ok[:, None] & dim_ok[None, :])
+    if num_splits == 1:
+        out = (acc / l_i[:, None]).to(O.dtype.element_ty)
+        o_ptrs = O + (token0 + tok)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out, mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        # An empty slice (a short prefix cut in many) leaves l_i = 0: its partial is 0 with a log-sum-exp of -inf,
+        # which weighs nothing in the merge.
+        live = l_i > 0
+        part = tl.where(live[:, None], acc / tl.where(live, l_i, 1.0)[:, None], 0.0)
+        rows = (token0 + tok).to(tl.int64)
+        part_ptrs = Mid_o + rows[:, None] * stride_mot + head[:, None] * stride_moh + split * stride_mos + dims[None, :]
+        tl.store(part_ptrs, part, mask=row_ok[:, None] & dim_ok[None, :])
+        lse = tl.where(live, m_i + tl.log2(tl.where(live, l_i, 1.0)), float("-inf"))
+        tl.store(Mid_lse + rows * stride_mlt + head * stride_mlh + split, lse, mask=row_ok)
+
+
+@jit(do_not_specialize=["num_splits"])
+def _extend_merge_kernel(
+    Mid_o,
+    Mid_lse,
+    O,
+    stride_mot,
+    stride_moh,
+    stride_mos,
+    stride_mlt,
+    stride_mlh,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """O[token, head] from the num_splits partials of _extend_kernel's split programs (every one written, the last
+    never empty). Rows of a CUDA graph's padding tokens were never written: what lands in their O is never read."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    lse_base = Mid_lse + token * stride_mlt + head * stride_mlh
+    part_base = Mid_o + token * stride_mot + head * stride_moh
+    m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
+    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, num_splits, BLOCK_S):
+        splits = s0 + tl.arange(0, BLOCK_S)
+        m_i, l_i, acc = merge_partials_block(
+            lse_base, part_base, stride_mos, splits, splits < num_splits, dims, dim_ok, m_i, l_i, acc
+        )
+    tl.store(O + token * stride_ot + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)

@@ -217,6 +217,9 @@ class ServerArgs:
         "weight-streaming Triton kernel (kernels/triton_skinny_linear.py) instead "
         "of cuBLAS (0: never).",
     )
+    disable_extend_key_split: bool = _flag(
+        False, "Never split a prefill chunk's keys over programs (done when its grid would leave most of the GPU idle)."
+    )
     disable_pdl: bool = _flag(
         False,
         "Launch every kernel only once the one before it has finished, instead "

@@ -60,6 +60,7 @@ class ModelRunner:
             gate_up_silu_max_rows=server_args.gate_up_silu_max_rows if fused else 0,
             skinny_linear_max_rows=server_args.skinny_linear_max_rows,
             pdl=not server_args.disable_pdl,
+            extend_key_splits=not server_args.disable_extend_key_split,
         )
 
         self.model = self._load_model(Path(model_dir))

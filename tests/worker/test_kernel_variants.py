@@ -114,7 +114,8 @@ def test_extend_variants_of_every_batch_makeup_compile_at_start_up():
 
 def test_start_up_launches_every_extend_variant_the_h100_policy_can_select():
     # The three row-block sizes extend_config picks on an H100 at head_dim 128 (16 rows for short chunks, 64, 128 for
-    # chunks of 2,048 tokens or more), each launched once by compile_extend_variants (recorded, not run).
+    # chunks of 2,048 tokens or more), each launched once by compile_extend_variants (recorded, not run), and the
+    # merge of a small grid's key splits (a 1-token request is one: extend_num_splits).
     from bench.kernel_variant_keys import KernelVariants
     from kernels import triton_attention
 
@@ -125,8 +126,10 @@ def test_start_up_launches_every_extend_variant_the_h100_policy_can_select():
             4, torch.float32, cache, cache, torch.zeros(2, 64, dtype=torch.int32), i32(0), i32(0), i32(1), i32(0)
         )
     keys = variants.new_in("start")
-    assert {k.split("BLOCK_M=")[1].split(",")[0] for k in keys} == {"16", "64", "128"}, keys
-    assert all(k.startswith("_extend_kernel(") for k in keys)
+    extend = [k for k in keys if k.startswith("_extend_kernel(")]
+    assert {k.split("BLOCK_M=")[1].split(",")[0] for k in extend} == {"16", "64", "128"}, keys
+    assert len([k for k in keys if k.startswith("_extend_merge_kernel(")]) == 1, keys
+    assert len(keys) == len(extend) + 1, keys
 
 
 @pytest.mark.server
