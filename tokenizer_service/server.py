@@ -86,6 +86,8 @@ async def _serve(
     model_config = ModelConfig.from_dir(model_dir)
     tokenizer = load_tokenizer(args.tokenizer or model_dir)
     model_name = args.served_model_name or Path(model_dir).name
+    # None only when started without the launcher (which resolves the default): one front end, as then.
+    args.api_server_count = args.api_server_count or 1
     shared = args.api_server_count > 1
     metrics = ServerMetrics(model_name, index, os.environ[METRICS_ENV] if shared else None)
     manager = RequestManager(
