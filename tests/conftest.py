@@ -24,7 +24,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
+# The server of the tiny_llama_server fixture once started, and the last test of this run to use it: after that test
+# the server stops, instead of idling to the end of the session (~750 MB, and an idle check after every later test).
+_shared_server: dict = {"server": None, "last_user": None}
+
+
+@pytest.hookimpl(trylast=True)  # the final order, after -k and -m deselected what they do
 def pytest_collection_modifyitems(config, items):
+    users = [item for item in items if "tiny_llama_server" in getattr(item, "fixturenames", ())]
+    _shared_server["last_user"] = users[-1] if users else None
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -42,6 +50,28 @@ def smollm2_tokenizer():
     from radixserve.testing import smollm2_dir
 
     return AutoTokenizer.from_pretrained(str(smollm2_dir()))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_server():
+    """One `launch.py` of the tiny Llama with default flags, for the modules that need nothing else of it (a start and
+    stop is ~3.5 s), from the first test that uses it to the last (pytest_runtest_teardown below). Each leaves it idle
+    with every KV slot accounted for (checked after every test, below); none stops it, changes it or needs its cache
+    empty (those that count cached tokens flush it or send prompts of their own). A module that needs flags, a fresh
+    server or a dead one starts its own (tests/helpers/server_fixture.py)."""
+    from radixserve.testing.tiny_models import tiny_model_dir
+    from server_fixture import launched_server
+
+    with launched_server(tiny_model_dir("llama")) as server:
+        _shared_server["server"] = server
+        yield server
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the test's fixtures torn down, the idle check below included
+    if item is _shared_server["last_user"] and _shared_server["server"] is not None:
+        _shared_server["server"].stop()
 
 
 @pytest.fixture(autouse=True)

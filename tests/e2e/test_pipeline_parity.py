@@ -14,7 +14,6 @@ import pytest
 from radixserve.engine import Engine
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import tiny_model_dir
-from server_fixture import launched_server
 
 pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
 
@@ -31,9 +30,8 @@ def engine():
 
 
 @pytest.fixture(scope="module")
-def server():
-    with launched_server(MODEL_DIR) as server:
-        yield server
+def server(tiny_llama_server):
+    return tiny_llama_server  # shared with other modules (tests/conftest.py)
 
 
 def token_texts(engine, token_ids: list[int]) -> list[str]:

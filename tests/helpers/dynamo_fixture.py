@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[2]
 MODEL_DIR = tiny_model_dir("llama")
 MODEL = MODEL_DIR.name  # the served model name: the directory's, as with launch.py
 BLOCK = 16  # --kv-events-block-size's default under python -m radixserve.dynamo
+# One SSL context for the polls and control calls below (server_fixture.SSL_CONTEXT says why).
+SSL_CONTEXT = httpx.create_ssl_context()
 
 
 def free_port() -> int:
@@ -102,7 +104,9 @@ class Worker(Proc):
         self.id: int | None = None
 
     def control(self, name: str, body: dict | None = None) -> dict:
-        r = httpx.post(f"http://127.0.0.1:{self.port}/engine/control/{name}", json=body or {}, timeout=60)
+        r = httpx.post(
+            f"http://127.0.0.1:{self.port}/engine/control/{name}", json=body or {}, timeout=60, verify=SSL_CONTEXT
+        )
         r.raise_for_status()
         return r.json()
 
@@ -113,7 +117,8 @@ class Worker(Proc):
         if self.process.poll() is not None:
             raise RuntimeError(f"worker exited early:\n{self.tail()}")
         try:
-            if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).json().get("status") != "ready":
+            health = httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2, verify=SSL_CONTEXT)
+            if health.json().get("status") != "ready":
                 return False
         except (httpx.HTTPError, ValueError):
             return False
@@ -157,9 +162,10 @@ def serves(frontend: Frontend, worker: Worker) -> bool:
     """The frontend routes to this worker: a request pinned to it (nvext.backend_instance_id) succeeds."""
     body = {"model": MODEL, "prompt": "ping", "max_tokens": 1, "nvext": {"backend_instance_id": worker.id}}
     try:
-        return httpx.post(f"{frontend.url}/v1/completions", json=body, timeout=30).status_code == 200
+        response = httpx.post(f"{frontend.url}/v1/completions", json=body, timeout=30, verify=SSL_CONTEXT)
     except httpx.HTTPError:
         return False
+    return response.status_code == 200
 
 
 def idle(worker: Worker) -> bool:

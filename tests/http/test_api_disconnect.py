@@ -12,7 +12,6 @@ import openai
 import pytest
 
 from radixserve.testing.tiny_models import tiny_model_dir
-from server_fixture import launched_server
 
 pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
 
@@ -22,9 +21,8 @@ CLEANUP_DEADLINE_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def server():
-    with launched_server(tiny_model_dir("llama")) as server:
-        yield server
+def server(tiny_llama_server):
+    return tiny_llama_server  # shared with other modules (tests/conftest.py)
 
 
 def server_info(server) -> dict:

@@ -14,7 +14,6 @@ import torch
 
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import tiny_model_dir
-from server_fixture import launched_server
 
 pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
 
@@ -23,9 +22,8 @@ PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 
 
 @pytest.fixture(scope="module")
-def server():
-    with launched_server(MODEL_DIR) as server:
-        yield server
+def server(tiny_llama_server):
+    return tiny_llama_server  # shared with other modules (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,6 @@ import httpx
 import pytest
 
 from http_checks import assert_error_response, assert_openai_error, assert_processes_alive, process_tree, raw_request
-from radixserve.testing.tiny_models import tiny_model_dir
-from server_fixture import launched_server
 
 pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
 
@@ -23,11 +21,12 @@ C, CH, G, R = "/v1/completions", "/v1/chat/completions", "/generate", "/v1/respo
 
 
 @pytest.fixture(scope="module")
-def server():
-    with launched_server(tiny_model_dir("llama")) as server:
-        server.pids = process_tree(server.process.pid)
-        assert len(server.pids) >= 4, server.pids  # launch.py, tokenizer, scheduler, worker
-        yield server
+def server(tiny_llama_server):
+    # Shared with other modules (tests/conftest.py): its processes as this module finds them stay alive throughout.
+    server = tiny_llama_server
+    server.pids = process_tree(server.process.pid)
+    assert len(server.pids) >= 4, server.pids  # launch.py, tokenizer, scheduler, worker
+    return server
 
 
 @pytest.fixture(scope="module")

@@ -29,7 +29,6 @@ from radixserve.client import (
     StreamChunk,
 )
 from radixserve.testing.smollm2 import smollm2_dir
-from radixserve.testing.tiny_models import tiny_model_dir
 
 pytestmark = pytest.mark.server  # starts processes (tests/conftest.py)
 
@@ -39,9 +38,8 @@ MESSAGES = [{"role": "user", "content": "Tell me a story about a radix tree."}]
 
 
 @pytest.fixture(scope="module")
-def url():
-    with launched_server(tiny_model_dir("llama")) as server:
-        yield server.url
+def url(tiny_llama_server):
+    return tiny_llama_server.url  # shared with other modules (tests/conftest.py)
 
 
 @pytest.fixture

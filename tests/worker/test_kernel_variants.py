@@ -3,11 +3,10 @@
 Triton compiles one binary per specialization key (constexprs, ints equal to 1 or divisible by 16, 16-byte
 alignment of pointers); a key first met mid-serving is a compile of a second or more (seen in W1 runs on an H100).
 bench/kernel_variants.py computes the keys with Triton's own binder; here the small W1-shaped workload runs twice
-through InProcessEngine with the kernels interpreted (TRITON_INTERPRET=1, in child processes: triton reads it when
-imported), the first run queueing requests in waves and the second all at once, so that the second meets batch
-sizes, split counts and group sizes the first did not: it must launch no variant the first did not. (Before the
-fix, commit ba728a4, it met two in each mode: split counts as constexprs, and scratch strides whose divisibility by
-16 followed the split count.)
+through InProcessEngine (in child processes, TRITON_INTERPRET=1: triton reads it when imported), the first run
+queueing requests in waves and the second all at once, so that the second meets batch sizes, split counts and group
+sizes the first did not: it must launch no variant the first did not. (Before the fix, commit ba728a4, it met two in
+each mode: split counts as constexprs, and scratch strides whose divisibility by 16 followed the split count.)
 """
 
 import os
@@ -30,32 +29,51 @@ def _interpreted(*argv):
     )
 
 
-@pytest.mark.server
-def test_second_run_in_another_batch_makeup_compiles_nothing_new():
-    # Split policy scaled to 20-token contexts (8-token slices), so that split counts follow the batch size as they
-    # do at W1's 1,152 tokens on an H100. Both modes at once: one child process each.
-    common = [
-        "-m",
-        "bench.kernel_variants",
-        "--in-process",
-        "--shape",
-        "2",
-        "4",
-        "16",
-        "2",
-        "4",
-        "--runs",
-        "3,0",
-        "--min-split-tokens",
-        "8",
-    ]
+@pytest.fixture(scope="module")
+def children():
+    """This module's child processes, started together by its first test that needs one: each keeps one core busy for
+    4-6 s while pytest only waits, so that two cores run them side by side. Each test reads its own children."""
     # Mode on also turns on the opt-in one-launch decode, mode off turns the fused layer kernels off, so that the audit
     # covers every kernel either way.
-    children = {
-        "on": _interpreted(*common, "--modes", "on", "--engine-args", '{"enable_one_launch_decode": true}'),
-        "off": _interpreted(*common, "--modes", "off", "--engine-args", '{"disable_fused_layer_kernels": true}'),
+    started = {
+        "on": _interpreted(*SECOND_RUN, "--modes", "on", "--engine-args", '{"enable_one_launch_decode": true}'),
+        "off": _interpreted(*SECOND_RUN, "--modes", "off", "--engine-args", '{"disable_fused_layer_kernels": true}'),
+        "extend": _interpreted(*EXTEND_VARIANTS),
+        "merge": _interpreted("-c", MERGE_CHECK),
     }
-    outputs = {mode: child.communicate(timeout=300)[0] for mode, child in children.items()}
+    yield started
+    for child in started.values():
+        if child.poll() is None:  # its test did not run (deselected) or gave up on it
+            child.kill()
+            child.wait()
+
+
+# Split policy scaled to 20-token contexts (8-token slices), so that split counts follow the batch size as they do at
+# W1's 1,152 tokens on an H100. --shadow records each launch's key with the same arguments and lets the torch twins
+# compute: the keys (and this output) are those of the interpreted kernels, since EOS is ignored and outputs never
+# change a batch's makeup, in ~3.5 s instead of ~18.5 s a mode on two cores. The kernels' results are checked by the
+# interpreter tests (test_kernels_*.py).
+SECOND_RUN = [
+    "-m",
+    "bench.kernel_variants",
+    "--in-process",
+    "--shadow",
+    "--shape",
+    "2",
+    "4",
+    "16",
+    "2",
+    "4",
+    "--runs",
+    "3,0",
+    "--min-split-tokens",
+    "8",
+]
+
+
+@pytest.mark.server
+def test_second_run_in_another_batch_makeup_compiles_nothing_new(children):
+    outputs = {mode: children[mode].communicate(timeout=300)[0] for mode in ("on", "off")}
     for mode, out in outputs.items():
         print(out[-6000:])
         assert "0 variant keys first launched after the warm-up run" in out, out[-6000:]
@@ -79,33 +97,36 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new():
             assert name in out, (mode, name)
 
 
+# W1's shape at a quarter (4 system prompts of 512 tokens x 16 questions of 64), with the H100's block-size policy and
+# its CUDA graphs modelled (bench/kernel_variant_keys.py): all at once, no eager step of the warm-up selects the extend
+# kernel's 16-row blocks, while a run queueing requests 3 at a time does (a few short chunks: few rows per KV head).
+# Before ModelRunner compiled every extend variant at start-up, that run met _extend_kernel(... BLOCK_M=16 ...) first:
+# the compile of ~1.4 s seen in W1 runs on an H100.
+EXTEND_VARIANTS = [
+    "-m",
+    "bench.kernel_variants",
+    "--in-process",
+    "--shadow",
+    "--h100",
+    "--modes",
+    "on",
+    "--shape",
+    "4",
+    "16",
+    "512",
+    "64",
+    "8",
+    "--runs",
+    "0,3",
+    "--engine-args",
+    '{"chunked_prefill_size": 8192, "shared_prefix_min_tokens": 512, "max_running_requests": 1024,'
+    ' "max_total_tokens": 200000}',
+]
+
+
 @pytest.mark.server
-def test_extend_variants_of_every_batch_makeup_compile_at_start_up():
-    # W1's shape at a quarter (4 system prompts of 512 tokens x 16 questions of 64), with the H100's block-size policy
-    # and its CUDA graphs modelled (bench/kernel_variant_keys.py): all at once, no eager step of the warm-up selects
-    # the extend kernel's 16-row blocks, while a run queueing requests 3 at a time does (a few short chunks: few rows
-    # per KV head). Before ModelRunner compiled every extend variant at start-up,
-    # that run met _extend_kernel(... BLOCK_M=16 ...) first: the compile of ~1.4 s seen in W1 runs on an H100.
-    child = _interpreted(
-        "-m",
-        "bench.kernel_variants",
-        "--in-process",
-        "--shadow",
-        "--h100",
-        "--modes",
-        "on",
-        "--shape",
-        "4",
-        "16",
-        "512",
-        "64",
-        "8",
-        "--runs",
-        "0,3",
-        "--engine-args",
-        '{"chunked_prefill_size": 8192, "shared_prefix_min_tokens": 512, "max_running_requests": 1024,'
-        ' "max_total_tokens": 200000}',
-    )
+def test_extend_variants_of_every_batch_makeup_compile_at_start_up(children):
+    child = children["extend"]
     out = child.communicate(timeout=400)[0]
     print(out[-6000:])
     assert "run 2 (waves of 3): 0 new variant keys" in out, out[-6000:]
@@ -132,11 +153,9 @@ def test_start_up_launches_every_extend_variant_the_h100_policy_can_select():
     assert len(keys) == len(extend) + 1, keys
 
 
-@pytest.mark.server
-def test_merge_over_more_splits_than_one_tile_matches_reference():
-    # The split kernels' merges fold partials 16 splits at a time: 40 plain splits, and 4 suffix + 20 prefix splits,
-    # take 3 and 2; the one-launch kernel's merge walks every slot of a row.
-    code = r"""
+# The split kernels' merges fold partials 16 splits at a time: 40 plain splits, and 4 suffix + 20 prefix splits,
+# take 3 and 2; the one-launch kernel's merge walks every slot of a row.
+MERGE_CHECK = r"""
 import torch
 from kernels import reference, shared_prefix_attention, triton_attention
 torch.manual_seed(0)
@@ -167,7 +186,11 @@ for splits, policy in ((40, None), (4, dict(slice_tokens=16, max_slices=16, pref
     torch.testing.assert_close(one, expect, rtol=0, atol=1e-5)
 print("MERGE OK")
 """
-    child = _interpreted("-c", code)
+
+
+@pytest.mark.server
+def test_merge_over_more_splits_than_one_tile_matches_reference(children):
+    child = children["merge"]
     out = child.communicate(timeout=300)[0]
     assert child.returncode == 0 and "MERGE OK" in out, out[-4000:]
 

@@ -66,27 +66,25 @@ def test_triton_kernels_match_reference_in_interpreter():
 
 @pytest.mark.server
 def test_backend_comes_from_environment():
+    # The three children at once: each is mostly the import of torch and triton (~1.3 s), which two cores share.
     code = "import kernels, sys; sys.stdout.write(kernels.get_backend())"
-    for name in ("reference", "triton"):
-        out = subprocess.run(
+    children = {
+        name: subprocess.Popen(
             [sys.executable, "-c", code],
             cwd=ROOT,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
             env=_child_env(RADIXSERVE_KERNEL_BACKEND=name),
         )
-        assert out.returncode == 0, out.stderr
-        assert out.stdout == name
-    bad = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=_child_env(RADIXSERVE_KERNEL_BACKEND="fast"),
-    )
-    assert bad.returncode != 0 and "unknown kernel backend" in bad.stderr
+        for name in ("reference", "triton", "fast")
+    }
+    outputs = {name: child.communicate(timeout=120) for name, child in children.items()}
+    for name in ("reference", "triton"):
+        out, err = outputs[name]
+        assert children[name].returncode == 0, err
+        assert out == name
+    assert children["fast"].returncode != 0 and "unknown kernel backend" in outputs["fast"][1]
 
 
 # ----------------------------------------------------------------------------------------------
