@@ -24,10 +24,9 @@ import kernels
 
 from kernels.triton_store_kv import store_kv  # noqa: F401 (the backend's API: kernels/__init__.py)
 from kernels.triton_attention_kernels import (
-    _decode_merge_kernel,
     _decode_split_kernel,
     _extend_kernel,
-    _extend_merge_kernel,
+    _merge_splits_kernel,
 )
 from kernels.triton_common import (
     LOG2E,
@@ -142,7 +141,15 @@ def decode_attention(
     # A second kernel merges the splits. Merging them in the last split's program instead (a count per request and
     # KV head) removed this launch but measured slower at batch 1 on an H100 (Qwen3-0.6B 1.30 -> 1.33 ms a step,
     # Qwen3-8B 6.38 -> 6.46: bench/results/kernels-h100-2026-11-24b/).
-    _decode_merge_kernel[(bsz, hq)](
+    merge_splits(mid_o, mid_lse, o, seq_lens, cfg["BLOCK_N"], pdl_args(q.device, "attention"))
+
+
+def merge_splits(mid_o, mid_lse, o, seq_lens, block_n, pdl):
+    """o[row, head] from the split kernels' partials (mid_o [rows, heads, splits, d]): decode's rows are requests whose
+    seq_lens say which splits were written; extend's are tokens (seq_lens None: every split written)."""
+    rows, hq, splits, d = mid_o.shape
+    block_d = triton.next_power_of_2(d)
+    _merge_splits_kernel[(rows, hq)](
         mid_o,
         mid_lse,
         o,
@@ -158,9 +165,9 @@ def decode_attention(
         HEAD_DIM=d,
         BLOCK_S=MERGE_BLOCK_S,
         BLOCK_D=block_d,
-        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_N=block_n,
         num_warps=1 if block_d <= 64 else 2,
-        **pdl_args(q.device, "attention"),
+        **pdl,
     )
 
 
@@ -303,23 +310,7 @@ def extend_attention(
         num_stages=cfg["num_stages"],
     )
     if splits > 1:
-        _extend_merge_kernel[(t, hq)](
-            mid_o,
-            mid_lse,
-            o,
-            mid_o.stride(0),
-            mid_o.stride(1),
-            mid_o.stride(2),
-            mid_lse.stride(0),
-            mid_lse.stride(1),
-            o.stride(0),
-            o.stride(1),
-            splits,
-            HEAD_DIM=d,
-            BLOCK_S=MERGE_BLOCK_S,
-            BLOCK_D=block_d,
-            num_warps=1 if block_d <= 64 else 2,
-        )
+        merge_splits(mid_o, mid_lse, o, None, 1, {"PDL": False})
 
 
 def extend_variants(dtype, head_dim, device, group=1):

@@ -1,6 +1,7 @@
 """The device side of kernels/triton_attention.py: the split-KV decode kernels (a split's partial, then the merge of a
-row's partials) and the extend kernel (a prefix through req_to_token, then causal over the new tokens). The launches,
-block configs and split policy are in triton_attention.py; what the kernels share is in kernels/triton_common.py."""
+row's partials, which the extend kernel's key splits use too) and the extend kernel (a prefix through req_to_token,
+then causal over the new tokens). The launches, block configs and split policy are in triton_attention.py; what the
+kernels share is in kernels/triton_common.py."""
 
 import triton.language as tl
 
@@ -117,17 +118,17 @@ def _decode_split_kernel(
 
 
 @jit(do_not_specialize=["num_splits"], unaligned=["Seq_lens"])
-def _decode_merge_kernel(
+def _merge_splits_kernel(
     Mid_o,
     Mid_lse,
     O,
     Seq_lens,
-    stride_mob,
+    stride_mor,
     stride_moh,
     stride_mos,
-    stride_mlb,
+    stride_mlr,
     stride_mlh,
-    stride_ob,
+    stride_or,
     stride_oh,
     num_splits,
     HEAD_DIM: tl.constexpr,
@@ -136,25 +137,34 @@ def _decode_merge_kernel(
     BLOCK_N: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """O[row, head] from the num_splits partials of a split kernel, for both split kernels of this module. A row is
+    a request of _decode_split_kernel: given its Seq_lens, the splits that start past its context were never written
+    and stay out. Or a token of _extend_kernel (Seq_lens None): every split wrote its partial, empty ones with an
+    lse of -inf, and the last is never empty. Rows of a CUDA graph's padding were never written: what lands in their
+    O is never read."""
     wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
     let_next_kernel_start(PDL)
-    req = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    seq_len = tl.load(Seq_lens + req)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    live_splits = num_splits
+    if Seq_lens is not None:  # the decode kernel's slicing: splits of whole BLOCK_N blocks
+        seq_len = tl.load(Seq_lens + row)
+        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+        live_splits = tl.minimum(num_splits, tl.cdiv(seq_len, split_len))
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    lse_base = Mid_lse + req * stride_mlb + head * stride_mlh
-    part_base = Mid_o + req * stride_mob + head * stride_moh
-    # Split 0 is never empty (seq_len >= 1), so the running max is finite after the first tile.
+    lse_base = Mid_lse + row * stride_mlr + head * stride_mlh
+    part_base = Mid_o + row * stride_mor + head * stride_moh
+    # Split 0 (decode: seq_len >= 1) or the last (extend) is live, so the running max is finite once merged.
     m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
     l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
         splits = s0 + tl.arange(0, BLOCK_S)
-        live = (splits < num_splits) & (splits * split_len < seq_len)
-        m_i, l_i, acc = merge_partials_block(lse_base, part_base, stride_mos, splits, live, dims, dim_ok, m_i, l_i, acc)
-    tl.store(O + req * stride_ob + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)
+        m_i, l_i, acc = merge_partials_block(
+            lse_base, part_base, stride_mos, splits, splits < live_splits, dims, dim_ok, m_i, l_i, acc
+        )
+    tl.store(O + row * stride_or + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)
 
 
 # num_m_blocks (the longest extend of the batch in row blocks) and num_splits are runtime ints: specialised, a value
@@ -211,7 +221,7 @@ def _extend_kernel(
     # With num_splits > 1 (a grid too small to fill the device: a lone cache hit's few row blocks), num_splits programs
     # share a row block: each takes one slice of the keys before the block and writes a softmax-normalised partial
     # and its log-sum-exp; the last also takes the block's own tokens, so its softmax is never empty, and
-    # _extend_merge_kernel folds the partials into O.
+    # _merge_splits_kernel folds the partials into O.
     kv_head = tl.program_id(0)
     m_block = num_m_blocks - 1 - tl.program_id(1) // num_splits
     split = tl.program_id(1) % num_splits
@@ -294,39 +304,3 @@ def _extend_kernel(
         tl.store(part_ptrs, part, mask=row_ok[:, None] & dim_ok[None, :])
         lse = tl.where(live, m_i + tl.log2(tl.where(live, l_i, 1.0)), float("-inf"))
         tl.store(Mid_lse + rows * stride_mlt + head * stride_mlh + split, lse, mask=row_ok)
-
-
-@jit(do_not_specialize=["num_splits"])
-def _extend_merge_kernel(
-    Mid_o,
-    Mid_lse,
-    O,
-    stride_mot,
-    stride_moh,
-    stride_mos,
-    stride_mlt,
-    stride_mlh,
-    stride_ot,
-    stride_oh,
-    num_splits,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    """O[token, head] from the num_splits partials of _extend_kernel's split programs (every one written, the last
-    never empty). Rows of a CUDA graph's padding tokens were never written: what lands in their O is never read."""
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    dims = tl.arange(0, BLOCK_D)
-    dim_ok = dims < HEAD_DIM
-    lse_base = Mid_lse + token * stride_mlt + head * stride_mlh
-    part_base = Mid_o + token * stride_mot + head * stride_moh
-    m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
-    l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        splits = s0 + tl.arange(0, BLOCK_S)
-        m_i, l_i, acc = merge_partials_block(
-            lse_base, part_base, stride_mos, splits, splits < num_splits, dims, dim_ok, m_i, l_i, acc
-        )
-    tl.store(O + token * stride_ot + head * stride_oh + dims, (acc / l_i).to(O.dtype.element_ty), mask=dim_ok)

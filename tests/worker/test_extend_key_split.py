@@ -23,7 +23,7 @@ class Recorder:
 def launches(monkeypatch):
     recorded = []
     monkeypatch.setattr(triton_attention, "_extend_kernel", Recorder(recorded, "extend"))
-    monkeypatch.setattr(triton_attention, "_extend_merge_kernel", Recorder(recorded, "merge"))
+    monkeypatch.setattr(triton_attention, "_merge_splits_kernel", Recorder(recorded, "merge"))
     return recorded
 
 

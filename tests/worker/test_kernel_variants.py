@@ -86,7 +86,7 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new(children):
         "on": ("_decode_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(", "_silu_and_mul_kernel("),
         "off": (
             "_decode_split_kernel(",
-            "_decode_merge_kernel(",
+            "_merge_splits_kernel(",
             "_rope_kernel(",
             "_store_kv_kernel(",
             "_silu_and_mul_kernel(",
@@ -149,7 +149,7 @@ def test_start_up_launches_every_extend_variant_the_h100_policy_can_select():
     keys = variants.new_in("start")
     extend = [k for k in keys if k.startswith("_extend_kernel(")]
     assert {k.split("BLOCK_M=")[1].split(",")[0] for k in extend} == {"16", "64", "128"}, keys
-    assert len([k for k in keys if k.startswith("_extend_merge_kernel(")]) == 1, keys
+    assert len([k for k in keys if k.startswith("_merge_splits_kernel(")]) == 1, keys
     assert len(keys) == len(extend) + 1, keys
 
 
