@@ -88,6 +88,23 @@ def chronology(rows, starts: np.ndarray, firsts: np.ndarray, bin_ms: int, span_m
         if len(v)
     }
     summary["first chunk p99 ms"] = round(float(np.percentile(series["first chunk"], 99)), 1)
+    # With several front ends the kernel spreads the connections over them (SO_REUSEPORT): per front end, the
+    # requests it took, when its last one was submitted and its milliseconds of output batches.
+    front_ends = {}
+    for at, pid, phase, name in rows:
+        if at < t0:
+            continue
+        row = front_ends.setdefault(pid, {"requests": 0, "last submitted ms": 0.0, "output ms": 0.0})
+        if (name, phase) == ("HostCheckMiddleware.__call__", "B"):
+            row["requests"] += 1
+        elif (name, phase) == ("RequestManager.submit", "E"):
+            row["last submitted ms"] = round(max(row["last submitted ms"], (at - t0) / 1e6), 1)
+    for pid in front_ends:
+        batches_of_pid = spans([r for r in rows if r[1] == pid], "RequestManager._on_batch")
+        front_ends[pid]["output ms"] = round(sum(e - b for b, e in batches_of_pid) / 1e6, 1)
+    summary["front ends (requests, last submitted ms, output ms)"] = sorted(
+        (r["requests"], r["last submitted ms"], r["output ms"]) for r in front_ends.values() if r["requests"]
+    )
     return {"summary": summary, "table": table}
 
 
@@ -114,6 +131,12 @@ def main() -> None:
     parser.add_argument("--bin-ms", type=int, default=10)
     parser.add_argument("--span-ms", type=int, default=300, help="how much of each burst the table shows")
     parser.add_argument("--server-flags", default="", help="more launch.py flags")
+    parser.add_argument(
+        "--client-gc-as-is",
+        action="store_true",
+        help="leave the client processes' garbage collector as it is during a burst (by default their heap is frozen:"
+        " bench/ttft_under_load.py _share)",
+    )
     parser.add_argument("--json-out")
     ns = parser.parse_args()
     if (ns.model is None) == (ns.config is None) or (ns.config and not ns.tokenizer):
@@ -143,7 +166,7 @@ def main() -> None:
             shares = [share for share in (chats[p :: ns.client_procs] for p in range(ns.client_procs)) if share]
             barrier = start_barrier(len(shares))
             since = time.monotonic_ns()
-            args = [(url, model, share, barrier, False, ns.max_tokens) for share in shares]
+            args = [(url, model, share, barrier, False, ns.max_tokens, not ns.client_gc_as_is) for share in shares]
             rows = [r for _, part in pool.starmap(client_share, args) for r in part]
             failed = [r["error"] for r in rows if "error" in r]
             if failed:
@@ -151,6 +174,7 @@ def main() -> None:
             starts = np.array([r["start_ns"] for r in rows])
             firsts = np.array([r["first_ns"] for r in rows if r["first_ns"] is not None])
             results.append(chronology(events_since(timeline, since), starts, firsts, ns.bin_ms, ns.span_ms))
+            results[-1]["summary"]["client GC longest pause ms"] = max(r["client_gc_max_ms"] for r in rows)
             print_burst(b, results[-1])
         assert httpx.get(f"{url}/server_info", timeout=30).json()["kv_invariant_ok"]
     finally:

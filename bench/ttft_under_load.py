@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -124,7 +125,29 @@ async def _one(client, model: str, messages: list[dict], max_tokens: int) -> dic
     }
 
 
-async def _share(url: str, model: str, chats: list[list[dict]], barrier, shared_client: bool, max_tokens: int):
+class GcPauses:
+    """The cyclic garbage collector's pauses in this process while it is on (gc.callbacks): the longest, in ms."""
+
+    def __init__(self):
+        self.longest_ms, self._began = 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.longest_ms = max(self.longest_ms, (time.perf_counter() - self._began) * 1e3)
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+async def _share(
+    url: str, model: str, chats: list[list[dict]], barrier, shared_client: bool, max_tokens: int, freeze_gc: bool
+):
     from openai import AsyncOpenAI
 
     def client():
@@ -133,25 +156,46 @@ async def _share(url: str, model: str, chats: list[list[dict]], barrier, shared_
         )
 
     clients = [client()] * len(chats) if shared_client else [client() for _ in chats]
+    # A client process's own full collections paused all its requests for 0.5-0.8 s in one H100 burst of four
+    # (bench/results/ttft-under-load-h100.md, session 13): the load generator's pause, not the server's. The heap
+    # built so far (the openai package, the clients) is frozen out of the collector for the burst, as the server's
+    # processes freeze theirs after start-up; the longest pause left is reported (client_gc_max_ms).
+    if freeze_gc:
+        gc.collect()
+        gc.freeze()
     # Every process starts its requests at the same moment, once all have built their clients: building 32
     # AsyncOpenAI clients (an SSL context each) took over a second on the H100 host, and a fixed lead time let the
     # processes' shares arrive 0.1-0.5 s apart, each competing with the streams of those before it.
     barrier.wait(timeout=300)
     go = time.time()
     try:
-        results = await asyncio.gather(
-            *(_one(c, model, m, max_tokens) for c, m in zip(clients, chats)), return_exceptions=True
-        )
+        with GcPauses() as pauses:
+            results = await asyncio.gather(
+                *(_one(c, model, m, max_tokens) for c, m in zip(clients, chats)), return_exceptions=True
+            )
         # As text: the openai package's errors do not survive pickling back to the parent process.
-        return go, [{"error": repr(r)} if isinstance(r, BaseException) else r for r in results]
+        rows = [{"error": repr(r)} if isinstance(r, BaseException) else r for r in results]
+        for row in rows:
+            row["client_gc_max_ms"] = round(pauses.longest_ms, 1)
+        return go, rows
     finally:
         for c in set(clients):
             await c.close()
+        gc.unfreeze()
 
 
-def client_share(url: str, model: str, chats: list[list[dict]], barrier, shared_client: bool, max_tokens: int):
-    """One client process's part of a burst (a multiprocessing target): its start time and its requests' figures."""
-    return asyncio.run(_share(url, model, chats, barrier, shared_client, max_tokens))
+def client_share(
+    url: str,
+    model: str,
+    chats: list[list[dict]],
+    barrier,
+    shared_client: bool,
+    max_tokens: int,
+    freeze_gc: bool = True,
+):
+    """One client process's part of a burst (a multiprocessing target): its start time and its requests' figures.
+    freeze_gc: the process's heap kept out of the garbage collector during the burst (_share says why)."""
+    return asyncio.run(_share(url, model, chats, barrier, shared_client, max_tokens, freeze_gc))
 
 
 _manager = None
@@ -191,6 +235,7 @@ def burst(pool, procs: int, url: str, model: str, chats: list[list[dict]], ns) -
         "itl_p99_ms": round(float(np.percentile(gaps, 99)), 2),
         "tpot_ms": round(1e3 * statistics.mean(r["decode_s"] / max(1, r["completion_tokens"] - 1) for r in seen), 2),
         "no_text_requests": len(results) - len(seen),
+        "client_gc_max_ms": max(r["client_gc_max_ms"] for r in results),
         "output_tok_per_s": round(tokens / seconds, 1),
         "requests_per_s": round(len(results) / seconds, 2),
         "prompt_tokens_mean": round(statistics.mean(r["prompt_tokens"] for r in results), 1),

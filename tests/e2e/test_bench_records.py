@@ -66,3 +66,7 @@ def test_burst_timeline_lines_up_every_request(tmp_path):
     totals = {key: sum(row[key] for row in burst["table"]) for key in burst["table"][0] if key != "ms"}
     assert totals["started"] == totals["arrived"] == totals["built"] == totals["submitted"] == 8, totals
     assert totals["first chunk"] == 8 and totals["steps"] >= 1 and totals["output batches"] >= 1, totals
+    # One front end on the CPU device: it took every request.
+    ((requests, last_submitted_ms, _),) = burst["summary"]["front ends (requests, last submitted ms, output ms)"]
+    assert requests == 8 and last_submitted_ms > 0, burst["summary"]
+    assert burst["summary"]["client GC longest pause ms"] >= 0, burst["summary"]
