@@ -273,8 +273,9 @@ class ModeServer:
             burst(pool, 1, self.url, self.model, conversations(prompts, len(prompts), f"{mode}-cache", ns.seed), ns)
             # Then untimed bursts until every front end has met every prompt: each learns the pieces from the
             # connections the kernel hands it, so after one burst of 128 over 8 front ends a front end has missed a
-            # given prompt with probability (7/8)^16 = 12%, after three (7/8)^48 = 0.2%. On one H100 host, timed p50s
-            # of 131-137 ms after one warm burst, 99-118 after three (ttft-under-load-h100.md, session 13).
+            # given prompt with probability (7/8)^16 = 12%, after three (7/8)^48 = 0.2%: a timed burst then measures
+            # the steady state. (On the H100 the burst's p50 moves more between hosts and bursts than this changed:
+            # ttft-under-load-h100.md, session 13.)
             for w in range(WARM_BURSTS):
                 self.burst(f"warm{w}")
         except BaseException:
