@@ -156,10 +156,10 @@ async def _share(
         )
 
     clients = [client()] * len(chats) if shared_client else [client() for _ in chats]
-    # A client process's own full collections paused all its requests for 0.5-0.8 s in one H100 burst of four
-    # (bench/results/ttft-under-load-h100.md, session 13): the load generator's pause, not the server's. The heap
-    # built so far (the openai package, the clients) is frozen out of the collector for the burst, as the server's
-    # processes freeze theirs after start-up; the longest pause left is reported (client_gc_max_ms).
+    # A client process's own full collection (467 ms, caught in one H100 burst of ten) held back every request of
+    # that process (bench/results/ttft-under-load-h100.md, session 13): the load generator's pause, not the
+    # server's. The heap built so far (the openai package, the clients) is frozen out of the collector for the burst,
+    # as the server's processes freeze theirs after start-up; the longest pause left is reported (client_gc_max_ms).
     if freeze_gc:
         gc.collect()
         gc.freeze()
