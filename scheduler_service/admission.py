@@ -20,9 +20,9 @@ from scheduler_service.policy import order_waiting_queue
 from scheduler_service.request import Req, ReqStatus
 from scheduler_service.scheduler_stats import SchedulerStats
 
-# A waiting request is deferred while a prompt being computed shares at least this many tokens with it (and more
-# than the tree holds yet): one step later they are in the tree. Shorter overlaps (a chat template's header) are
-# not worth a step of latency.
+# A waiting request is deferred while a prompt being computed shares at least this many tokens with it beyond what
+# the tree holds for it: one step later they are in the tree. Shorter overlaps (a chat template's header, the first
+# words of two questions after a cached system prompt) are not worth a step of latency.
 IN_BATCH_PREFIX_MIN_TOKENS = 32
 
 
@@ -187,10 +187,13 @@ class Admission:
             n = min(len(fill), len(other)) - 1
             # Sharing more than the tree holds needs the token right after the cached part to match: an O(1) test
             # that skips almost every pair (a batch of one chat group shares exactly the cached system prompt).
-            if n < IN_BATCH_PREFIX_MIN_TOKENS or n <= cached_len or other[cached_len] != fill[cached_len]:
+            if n - cached_len < IN_BATCH_PREFIX_MIN_TOKENS or other[cached_len] != fill[cached_len]:
                 continue
+            # Only the uncached part counts: 128 chats over 8 cached system prompts whose questions began alike
+            # ("[burst #12] ...", a few tokens) were admitted a few per step, ~7 steps of ~17 ms on the H100 host
+            # where one or two would do (bench/results/ttft-under-load-h100.md, session 13).
             mismatch = np.flatnonzero(fill[:n] != other[:n])
             common = int(mismatch[0]) if len(mismatch) else n
-            if common >= IN_BATCH_PREFIX_MIN_TOKENS and common > cached_len:
+            if common - cached_len >= IN_BATCH_PREFIX_MIN_TOKENS:
                 return True
         return False

@@ -9,6 +9,7 @@ import pytest
 from radixserve.config import ServerArgs
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import tiny_model_dir
+from scheduler_service.admission import IN_BATCH_PREFIX_MIN_TOKENS
 from scheduler_service.fake_executor import FakeExecutor
 from scheduler_service.request import Req, ReqStatus
 from scheduler_service.scheduler import Scheduler
@@ -122,7 +123,8 @@ def test_overlapped_loop_outputs_do_not_depend_on_batching_or_a_warm_tree(config
 
 def test_shared_system_prompt_hits_the_cache(capsys):
     """Four system prompts of 300 tokens with eight questions each, sent at once: every question after a group's
-    first finds its system prompt cached, and the radix cache computes under a third of the prefill tokens."""
+    first finds its system prompt cached (but for a few tokens), and the radix cache computes under a third of the
+    prefill tokens."""
     rng = np.random.default_rng(3)
     systems = [rng.integers(10, 1000, 300).tolist() for _ in range(4)]
     ps = [systems[g] + rng.integers(10, 1000, 20).tolist() for g in range(4) for _ in range(8)]
@@ -134,7 +136,9 @@ def test_shared_system_prompt_hits_the_cache(capsys):
         if name == "radix":
             for g in range(4):
                 cached = [done[f"r{g * 8 + j}"].cached_tokens for j in range(1, 8)]
-                assert all(c >= 300 for c in cached), cached
+                # All of it, or all but the last few tokens of a chunk still being computed when the request was
+                # admitted: fewer than IN_BATCH_PREFIX_MIN_TOKENS are not worth a step's wait (admission.py).
+                assert all(c > 300 - IN_BATCH_PREFIX_MIN_TOKENS for c in cached), cached
     with capsys.disabled():
         print(
             f"\nshared system prompt, 32 requests: prefill tokens computed {computed['radix']} with the radix "
