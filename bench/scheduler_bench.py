@@ -18,7 +18,6 @@ import pstats
 import statistics
 import time
 from collections import deque
-from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -28,7 +27,7 @@ from radixserve.cache.slot_allocator import TokenSlotAllocator
 from radixserve.config import ServerArgs
 from radixserve.protocol import BatchOutput, ForwardBatch, SampledTokens, SchedulerLoad
 from radixserve.sampling import SamplingParams
-from scheduler_service.prefix_groups import DecodeGrouper
+from scheduler_service.decode_grouper import DecodeGrouper
 from scheduler_service.request import Req
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.step_loop import make_step_loop
@@ -171,9 +170,17 @@ def churn_step_us(shared: bool, steps: int = 800, every: int = 2) -> str:
     )
 
 
+class _Decode:
+    """What DecodeGrouper reads of a request (hashed by identity, as a Req is)."""
+
+    def __init__(self, last_node, tree_len: int):
+        self.last_node, self.tree_len = last_node, tree_len
+
+
 def group_choice_ms(running: int) -> float:
-    """CPU time of one search of shared-prefix decode attention's groups (DecodeGrouper.groups, redone when the batch's
-    membership changes) for `running` requests whose 200-token system prompts are 16 distinct ones; median of 5."""
+    """CPU time of one search from scratch of shared-prefix decode attention's groups (a new DecodeGrouper's first
+    groups(); a kept one updates what changed) for `running` requests whose 200-token system prompts are 16 distinct
+    ones; median of 5."""
     rng = np.random.default_rng(2)
     systems = [rng.integers(1000, 2000, size=200).tolist() for _ in range(16)]
     tree = RadixCache(TokenSlotAllocator(running * 240 + 1024))
@@ -184,10 +191,10 @@ def group_choice_ms(running: int) -> float:
     for prompt in prompts:
         match = tree.match_prefix(prompt)
         tree.inc_lock_ref(match.last_node)
-        decodes.append(SimpleNamespace(last_node=match.last_node, tree_len=len(prompt)))
+        decodes.append(_Decode(match.last_node, len(prompt)))
     times = []
     for _ in range(5):
-        grouper = DecodeGrouper(min_tokens=64)  # a new one searches: as after a change of membership
+        grouper = DecodeGrouper(min_tokens=64)  # a new one searches from scratch
         t0 = time.thread_time()
         groups = grouper.groups(decodes)
         times.append((time.thread_time() - t0) * 1e3)

@@ -13,7 +13,8 @@ import numpy as np
 from radixserve.cache.slot_allocator import TokenSlotAllocator
 from radixserve.protocol import ForwardBatch, PrefixGroups, ReusedSlots, WorkerRequest, pack_i32
 from scheduler_service.decode_batch import DecodeBatch, DecodeStep
-from scheduler_service.prefix_groups import DecodeGrouper, PrefixGroup, group_tables
+from scheduler_service.decode_grouper import DecodeGrouper
+from scheduler_service.prefix_groups import PrefixGroup, group_tables
 from scheduler_service.request import Req
 from scheduler_service.scheduler_stats import SchedulerStats
 

@@ -19,7 +19,9 @@ worst, and close to linear when each request's own tokens are one leaf node belo
 Locking: every member holds a lock on its own last_node, and inc_lock_ref locks all its ancestors. So a group's
 node stays in the tree for as long as any member runs, and the caller needs no lock of its own. Splits made
 later by other inserts leave a member's path pointing at the same tokens (tree_node.split_node keeps the lower
-part in place). Paths must be read when the batch is built.
+part in place), but the paths through the split node gain the upper part: paths kept from an earlier step are
+read again after a split (decode_grouper.py, which also cuts the batch into the independent problems it holds before
+choose_prefix_groups sees them, and keeps their answers from step to step).
 """
 
 from __future__ import annotations
@@ -179,88 +181,26 @@ class GroupTables(NamedTuple):
 
 
 def group_tables(groups: Sequence[PrefixGroup], req_pool_indices: Sequence[int]) -> GroupTables:
-    bsz = len(req_pool_indices)
-    req_group = np.full(bsz, -1, dtype=np.int32)
-    req_suffix_start = np.zeros(bsz, dtype=np.int32)
+    # Python lists, one array each at the end: the groups change on most steps while requests come and go, and
+    # two numpy writes per group cost more than a pass over the batch's few hundred members (31 against 8 us for
+    # 8 groups of 8).
+    req_group = [-1] * len(req_pool_indices)
+    req_suffix_start = [0] * len(req_pool_indices)
     starts = [0]
+    members = []
     for g, group in enumerate(groups):
-        members = list(group.members)
-        if (req_group[members] != -1).any():
-            raise ValueError(f"a request is in two groups: {groups}")
-        req_group[members] = g
-        req_suffix_start[members] = group.prefix_len
-        starts.append(starts[-1] + len(members))
-    rows = [req_pool_indices[group.members[0]] for group in groups]
+        members += group.members
+        starts.append(len(members))
+        for m in group.members:
+            req_group[m] = g
+            req_suffix_start[m] = group.prefix_len
+    if len(set(members)) != len(members):
+        raise ValueError(f"a request is in two groups: {groups}")
     return GroupTables(
-        np.asarray([group.prefix_len for group in groups], dtype=np.int32),
-        np.asarray(rows, dtype=np.int32),
-        np.asarray(starts, dtype=np.int32),
-        np.asarray([m for group in groups for m in group.members], dtype=np.int32),
-        req_group,
-        req_suffix_start,
+        np.array([group.prefix_len for group in groups], dtype=np.int32),
+        np.array([req_pool_indices[group.members[0]] for group in groups], dtype=np.int32),
+        np.array(starts, dtype=np.int32),
+        np.array(members, dtype=np.int32),
+        np.array(req_group, dtype=np.int32),
+        np.array(req_suffix_start, dtype=np.int32),
     )
-
-
-class DecodeGrouper:
-    """The groups of a batch's decodes, step after step.
-
-    The best grouping depends only on how deep each pair of decodes' paths agree, which a later split of a node
-    does not change (the split node's members keep their tokens). So while the decodes and their locked nodes are
-    the same as last step (most steps of a steady batch), last step's groups stand, and the cost per step is one
-    comparison of a tuple. Requests whose cached prefix is shorter than min_tokens can host no group and are left
-    out before the search.
-    """
-
-    def __init__(self, min_tokens: int):
-        self.min_tokens = min_tokens
-        self._key: tuple = ()
-        self._groups: list[PrefixGroup] = []
-        self.searches = 0  # how often the groups were recomputed (tests and benchmarks)
-
-    def groups(self, decodes: Sequence) -> list[PrefixGroup]:
-        """Groups among decodes (objects with last_node and tree_len, the length of their path); members are
-        indices into decodes."""
-        key = tuple((req, req.last_node) for req in decodes)
-        if key == self._key:
-            return self._groups
-        self._key = key
-        self.searches += 1
-        candidates = [
-            i for i, req in enumerate(decodes) if req.last_node is not None and req.tree_len >= self.min_tokens
-        ]
-        self._groups = []
-        if len(candidates) < 2:
-            return self._groups
-        paths = [node_path(decodes[i].last_node) for i in candidates]
-        # A node only one request passes through can host no group, and that request may as well end above it:
-        # cutting such nodes off keeps the answer and leaves the search the shared nodes alone (a handful of
-        # system prompts instead of every request's own leaf, which made it ~10x slower for 256 requests).
-        visits: dict = defaultdict(int)
-        for path in paths:
-            for node in path:
-                visits[node] += 1
-        # Nodes shallower than min_tokens host nothing either, so the subtrees below the first node deep enough
-        # are independent problems: one small search each instead of one that weighs them all against each other.
-        subtrees: dict = defaultdict(list)
-        for i, path in zip(candidates, paths):
-            cut = len(path)
-            while cut and visits[path[cut - 1]] < 2:
-                cut -= 1
-            depth = 0
-            for node in path[:cut]:
-                depth += len(node)
-                if depth >= self.min_tokens:
-                    subtrees[node].append((i, path[:cut]))
-                    break
-        for shared in subtrees.values():
-            if len(shared) < 2:
-                continue
-            last = shared[0][1][-1]
-            if all(path[-1] is last for _, path in shared):  # the usual case: one system prompt, nothing deeper
-                depth = sum(len(node) for node in shared[0][1])
-                self._groups.append(PrefixGroup(depth, tuple(i for i, _ in shared)))
-            else:
-                found = choose_prefix_groups([path for _, path in shared], self.min_tokens)
-                self._groups += [PrefixGroup(g.prefix_len, tuple(shared[m][0] for m in g.members)) for g in found]
-        self._groups.sort(key=lambda g: g.members[0])
-        return self._groups

@@ -35,10 +35,10 @@ from radixserve.protocol import SampledTokens
 from scheduler_service.admission import Admission
 from scheduler_service.batch_builder import BatchBuilder, ScheduledBatch
 from scheduler_service.decode_batch import DecodeBatch
+from scheduler_service.decode_grouper import DecodeGrouper
 from scheduler_service.endings import Endings
 from scheduler_service.long_context import LongContext
 from scheduler_service.memory_pressure import MemoryPressure, NewTokenRatio
-from scheduler_service.prefix_groups import DecodeGrouper
 from scheduler_service.request import Req, ReqStatus
 from scheduler_service.results import ResultProcessor
 from scheduler_service.scheduler_stats import SchedulerStats

@@ -29,6 +29,10 @@ class TreeNode:
     )
 
     _ids = itertools.count()
+    # split_node calls so far, in any tree of this process. A split puts a new node into the path of every node below
+    # it, and the scheduler's DecodeGrouper keeps running requests' paths from step to step: a changed count tells it
+    # they may be stale (scheduler_service/decode_grouper.py). It has no tree to ask, only the requests' nodes.
+    splits = 0
 
     def __init__(self, key: np.ndarray, value: np.ndarray, parent: TreeNode | None, namespace: str | None):
         self.key = key  # int32 token ids of this edge
@@ -71,6 +75,7 @@ def split_node(node: TreeNode, at: int) -> TreeNode:
     lower part so that references held by running requests and pins (their last node) still end
     at the same token. Counts and sizes are unchanged: both parts inherit every field."""
     upper = TreeNode(node.key[:at].copy(), node.value[:at].copy(), node.parent, node.namespace)
+    TreeNode.splits += 1
     for field in ("lock_ref", "pin_ref", "last_access", "last_use_time", "hit_count", "priority"):
         setattr(upper, field, getattr(node, field))
     # Copies, not views, so the upper part does not pin the old arrays after the lower is evicted.

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.slot_allocator import TokenSlotAllocator
 from radixserve.sampling import SamplingParams
-from scheduler_service.prefix_groups import DecodeGrouper, choose_prefix_groups, node_path
+from scheduler_service.decode_grouper import DecodeGrouper
+from scheduler_service.prefix_groups import choose_prefix_groups, node_path
 from scheduler_service.request import Req
 
 

@@ -9,6 +9,7 @@ tokens as the best of every possible assignment (brute force on small batches).
 import itertools
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 from kernels import reference
 from radixserve.cache.radix_cache import RadixCache
 from radixserve.cache.slot_allocator import TokenSlotAllocator
-from scheduler_service.prefix_groups import choose_prefix_groups, group_tables, node_path
+from scheduler_service.prefix_groups import PrefixGroup, choose_prefix_groups, group_tables, node_path
 
 
 def _admit(prompts, num_slots=4096):
@@ -197,3 +198,22 @@ def test_a_large_batch_groups_by_its_system_prompts():
     groups = choose_prefix_groups([node_path(m.last_node) for m in matches], min_tokens=64)
     assert len(groups) == 16 and all(len(g.members) == 16 for g in groups)
     assert sorted(m for g in groups for m in g.members) == list(range(256))
+
+
+def test_group_tables_of_a_small_batch():
+    """Every table of group_tables, written out, and the request in two groups it refuses."""
+    groups = [PrefixGroup(7, (0, 3)), PrefixGroup(5, (1, 2, 5))]
+    t = group_tables(groups, [40, 41, 42, 43, 44, 45])
+    expected = {
+        "group_prefix_lens": [7, 5],
+        "group_prefix_rows": [40, 41],
+        "group_member_start": [0, 2, 5],
+        "group_members": [0, 3, 1, 2, 5],
+        "req_group": [0, 1, 1, 0, -1, 1],
+        "req_suffix_start": [7, 5, 5, 7, 0, 5],
+    }
+    assert {name: getattr(t, name).tolist() for name in expected} == expected
+    assert all(array.dtype == np.int32 for array in t)
+    assert [array.tolist() for array in group_tables([], [40, 41])] == [[], [], [0], [], [-1, -1], [0, 0]]
+    with pytest.raises(ValueError, match="two groups"):
+        group_tables([PrefixGroup(7, (0, 3)), PrefixGroup(5, (3, 4))], [40, 41, 42, 43, 44])
