@@ -28,7 +28,8 @@ import numpy as np
 
 from bench.server_process import start_server
 from bench.process_timeline import read_events
-from bench.ttft_under_load import burst, client_share, conversations, start_barrier, system_prompts
+from bench.burst_clients import burst, client_share, start_barrier
+from bench.ttft_under_load import conversations, system_prompts
 from radixserve.testing.tiny_models import dummy_config_dir
 from radixserve.tokenizer_loading import load_tokenizer
 
@@ -135,7 +136,7 @@ def main() -> None:
         "--client-gc-as-is",
         action="store_true",
         help="leave the client processes' garbage collector as it is during a burst (by default their heap is frozen:"
-        " bench/ttft_under_load.py _share)",
+        " bench/burst_clients.py _share)",
     )
     parser.add_argument("--json-out")
     ns = parser.parse_args()

@@ -228,7 +228,7 @@ def burst_part(tokenizer: str, repeats: int, card: dict, api_servers: int | None
     put(card, "serve_burst_ttft_p99_ms", result["ttft_p99_ms"]["runs"], 1, 1)
     card["serve_burst_api_servers"] = default_front_end_count("cuda") if api_servers is None else api_servers
     # The client processes' longest garbage-collector pause in any timed burst (their heap is frozen for a burst:
-    # bench/ttft_under_load.py _share): a figure spoilt by the load generator shows here.
+    # bench/burst_clients.py _share): a figure spoilt by the load generator shows here.
     card["serve_burst_client_gc_max_ms"] = max(result["client_gc_max_ms"]["runs"])
 
 

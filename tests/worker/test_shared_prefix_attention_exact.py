@@ -72,7 +72,9 @@ def plain_outputs(model_dir):
         dict(chunked_prefill_size=7),
         dict(chunked_prefill_size=-1),
         dict(disable_mixed_batch=True, chunked_prefill_size=7),
-        dict(max_total_tokens=160, chunked_prefill_size=16, init_new_token_ratio=0.05, min_new_token_ratio=0.01),
+        # A pool small enough to retract (whether a given size does depends on how admission batches: 140-120 and
+        # 100-90 do since 7a7221e, 160 did before it).
+        dict(max_total_tokens=130, chunked_prefill_size=16, init_new_token_ratio=0.05, min_new_token_ratio=0.01),
     ],
 )
 def test_grouped_decodes_give_the_plain_tokens(model_dir, plain_outputs, config):
@@ -84,7 +86,7 @@ def test_grouped_decodes_give_the_plain_tokens(model_dir, plain_outputs, config)
         assert_idle_and_clean(engine)
     stats = engine.scheduler.stats
     assert stats.grouped_decodes > 0 and stats.shared_prefix_tokens_saved > 0, "no group formed"
-    if config.get("max_total_tokens") == 160:
+    if config.get("max_total_tokens") == 130:
         assert stats.retractions > 0, "a pool this small must retract"
 
 
