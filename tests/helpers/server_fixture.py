@@ -133,6 +133,11 @@ def launched_server(model_dir: str | Path | None, *flags: str):
     server = LaunchedServer(model_dir, *flags).start()
     try:
         yield server
+    except Exception:
+        # A fixture's own checks after the start, or a test that starts its server inline, failed: the server's
+        # log is deleted below, so it goes to the report now (pytest shows a failure's captured output).
+        print(f"--- launch.py's log (port {server.port}) ---\n{server.log()[-6000:]}")
+        raise
     finally:
         server.stop()
         with contextlib.suppress(OSError):
