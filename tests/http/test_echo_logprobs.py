@@ -122,7 +122,7 @@ def test_streamed_echo_concatenates_to_the_whole_reply(client, model, generated)
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, model, chat):
     kw = dict(
         model=model,
-        max_tokens=6,
+        max_tokens=16,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
@@ -133,15 +133,16 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, mode
     else:
         chunks = list(client.completions.create(prompt="Hello there", **kw))
     final = chunks[-1]
-    assert final.choices == [] and final.usage.completion_tokens == 6
+    assert final.choices == [] and final.usage.completion_tokens == 16
     with_choices = [c for c in chunks if c.choices]
     assert with_choices and all(c.usage is not None for c in with_choices)
     counts = [c.usage.completion_tokens for c in with_choices]
-    assert counts == sorted(counts) and counts[-1] == 6
-    # The usage so far, not the final one copied onto every chunk. A chunk may carry more than one token (a token
-    # whose text is held back until the next one completes it), so the first count is not always 0 (chat's role
-    # chunk) or 1.
-    assert len(counts) > 2 and counts[0] < counts[-1], counts
+    assert counts == sorted(counts) and counts[-1] == 16
+    # The usage so far, not the final one copied onto every chunk. A chunk may carry more than one token: a token
+    # whose text is held back until the next one completes it, and every token that arrived while the client was
+    # still reading the chunk before (request_group.py: a slow reader gets bigger chunks; on a loaded CI box five
+    # of six tokens once came as one chunk). So the counts only have to grow from the first chunk to the last.
+    assert len(counts) >= 2 and counts[0] < counts[-1], counts
     assert {c.usage.prompt_tokens for c in chunks} == {final.usage.prompt_tokens}
     # Without include_usage there is no usage at all, as vLLM: continuous_usage_stats alone changes nothing.
     kw["stream_options"] = {"continuous_usage_stats": True}
