@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=1520)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--client-procs", type=int, default=4)
+    parser.add_argument("--client-procs", type=int, default=max(1, min(16, os.cpu_count() or 2)))
     parser.add_argument("--bursts", type=int, default=2, help="timed bursts, after two untimed ones")
     parser.add_argument("--bin-ms", type=int, default=10)
     parser.add_argument("--span-ms", type=int, default=300, help="how much of each burst the table shows")

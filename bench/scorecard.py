@@ -7,6 +7,7 @@ with commit, date, GPU and one key per figure: the median of repeated runs, and 
     python -m bench.scorecard --tokenizer DIR --parts 8b
     python -m bench.scorecard --tokenizer DIR --parts burst          # issue 27's burst of 128 chats (1-2 minutes)
     python -m bench.scorecard --tokenizer DIR --parts burst --burst-api-servers 1   # the same, one HTTP process
+    python -m bench.scorecard --tokenizer DIR --parts burst --burst-client-procs 4  # sessions 9-13's load generator
     python -m bench.scorecard --parts fidelity                       # real weights (the demo model)
 
 A part adds its keys to the file and leaves the others' as they were, so that the parts can run in separate calls.
@@ -198,11 +199,22 @@ def serve_part(tokenizer: str, repeats: int, card: dict) -> None:
     card["serve_itl_over_engine_step"] = round(card["serve_itl_ms"] / card["engine_step_ms_serve_shape"], 3)
 
 
-def burst_part(tokenizer: str, repeats: int, card: dict, api_servers: int | None = None) -> None:
+# The burst's load generator: 128 users split over this many client processes (8 requests each). Each process builds
+# and sends its requests on one event loop, with the openai package's ~1 ms of Python per request, and reads every one
+# of its streams there: with 4 processes (sessions 9-13) that serialization was part of every first token. The same
+# server, 4 / 8 / 16 processes interleaved, 5 bursts each on one H100 host: TTFT p50 112.4 / 89.9 / 85.6 ms, p99
+# 151.6 / 121.2 / 114.9 (bench/results/ttft-under-load-h100-session13/client-procs-ab.txt): the first token kept
+# falling until 16, so below that the figure was partly the clients'. Users on their own machines share no loop.
+BURST_CLIENT_PROCS = 16
+
+
+def burst_part(
+    tokenizer: str, repeats: int, card: dict, api_servers: int | None = None, client_procs: int = BURST_CLIENT_PROCS
+) -> None:
     """bench.ttft_under_load's burst (0.6B shape): 128 streamed chat requests at once through the openai client over
     8 cached system prompts of ~1,520 tokens, after a warm-up; TTFT p50 / p99 of each timed burst. api_servers: the
-    server's HTTP processes (--api-server-count; None: the server's default for this machine), recorded in the card
-    beside the figures."""
+    server's HTTP processes (--api-server-count; None: the server's default for this machine); client_procs: the
+    load generator's processes (BURST_CLIENT_PROCS says why so many); both recorded in the card beside the figures."""
     import multiprocessing
 
     from bench.ttft_under_load import run_mode, system_prompts
@@ -215,7 +227,7 @@ def burst_part(tokenizer: str, repeats: int, card: dict, api_servers: int | None
         config=SHAPES["06b"],
         server_flags="" if api_servers is None else f"--api-server-count {api_servers}",
         seed=0,
-        client_procs=4,
+        client_procs=client_procs,
         shared_client=False,
         max_tokens=64,
         requests=128,
@@ -227,6 +239,7 @@ def burst_part(tokenizer: str, repeats: int, card: dict, api_servers: int | None
     put(card, "serve_burst_ttft_p50_ms", result["ttft_p50_ms"]["runs"], 1, 1)
     put(card, "serve_burst_ttft_p99_ms", result["ttft_p99_ms"]["runs"], 1, 1)
     card["serve_burst_api_servers"] = default_front_end_count("cuda") if api_servers is None else api_servers
+    card["serve_burst_client_procs"] = client_procs
     # The client processes' longest garbage-collector pause in any timed burst (their heap is frozen for a burst:
     # bench/burst_clients.py _share): a figure spoilt by the load generator shows here.
     card["serve_burst_client_gc_max_ms"] = max(result["client_gc_max_ms"]["runs"])
@@ -262,6 +275,12 @@ def main() -> None:
     parser.add_argument(
         "--burst-api-servers", type=int, help="the burst part's server: --api-server-count (default: the server's)"
     )
+    parser.add_argument(
+        "--burst-client-procs",
+        type=int,
+        default=BURST_CLIENT_PROCS,
+        help=f"the burst part's client processes (default {BURST_CLIENT_PROCS})",
+    )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scorecard-h100.json"))
     ns = parser.parse_args()
     parts = [p for p in ns.parts.split(",") if p]
@@ -284,7 +303,7 @@ def main() -> None:
         elif part == "serve":
             serve_part(ns.tokenizer, ns.repeats, card)
         elif part == "burst":
-            burst_part(ns.tokenizer, ns.repeats, card, ns.burst_api_servers)
+            burst_part(ns.tokenizer, ns.repeats, card, ns.burst_api_servers, ns.burst_client_procs)
         else:
             fidelity_part(card)
         card["commands"][part] = f"{record['command']}  ({record['git_commit']}, {record['date']})"

@@ -191,8 +191,9 @@ def main() -> None:
     parser.add_argument(
         "--client-procs",
         type=int,
-        default=max(1, min(8, (os.cpu_count() or 2) // 4)),
-        help="client processes the requests are split over",
+        default=max(1, min(16, os.cpu_count() or 2)),
+        help="client processes the requests are split over (default: one per CPU, at most 16, as the scorecard's "
+        "burst: bench/scorecard.py BURST_CLIENT_PROCS says why)",
     )
     parser.add_argument("--shared-client", action="store_true", help="one AsyncOpenAI client per process")
     parser.add_argument("--server-flags", default="", help="more launch.py flags, e.g. '--max-total-tokens 65536'")
