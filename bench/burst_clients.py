@@ -13,6 +13,19 @@ import time
 
 import numpy as np
 
+# The load generator's processes for a burst of 128 users (8 requests each). Each process builds and sends its
+# requests on one event loop, with the openai package's ~1 ms of Python per request, and reads every one of its
+# streams there: with 4 processes (sessions 9-13) that serialization was part of every first token. The same server,
+# 4 / 8 / 16 processes interleaved, 5 bursts each on one H100 host: TTFT p50 112.4 / 89.9 / 85.6 ms, p99 151.6 / 121.2 /
+# 114.9 (bench/results/ttft-under-load-h100-session13/client-procs-ab.txt): the first token kept falling until 16, so
+# below that the figure was partly the clients'. Users on their own machines share no loop.
+CLIENT_PROCS = 16
+
+
+def default_client_procs() -> int:
+    """CLIENT_PROCS, or one per CPU on a smaller machine."""
+    return max(1, min(CLIENT_PROCS, os.cpu_count() or 2))
+
 
 async def _one(client, model: str, messages: list[dict], max_tokens: int) -> dict:
     start, start_ns = time.perf_counter(), time.monotonic_ns()  # (the second on the clock of bench.burst_timeline)

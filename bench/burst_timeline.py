@@ -28,7 +28,7 @@ import numpy as np
 
 from bench.server_process import start_server
 from bench.process_timeline import read_events
-from bench.burst_clients import burst, client_share, start_barrier
+from bench.burst_clients import burst, client_share, default_client_procs, start_barrier
 from bench.ttft_under_load import conversations, system_prompts
 from radixserve.testing.tiny_models import dummy_config_dir
 from radixserve.tokenizer_loading import load_tokenizer
@@ -127,7 +127,7 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--system-tokens", type=int, default=1520)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--client-procs", type=int, default=max(1, min(16, os.cpu_count() or 2)))
+    parser.add_argument("--client-procs", type=int, default=default_client_procs())
     parser.add_argument("--bursts", type=int, default=2, help="timed bursts, after two untimed ones")
     parser.add_argument("--bin-ms", type=int, default=10)
     parser.add_argument("--span-ms", type=int, default=300, help="how much of each burst the table shows")

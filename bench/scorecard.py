@@ -31,6 +31,7 @@ import httpx
 import numpy as np
 import torch
 
+from bench.burst_clients import CLIENT_PROCS
 from bench.latency import measure as measure_latency
 from bench.offline_throughput import Workload, prompts_for, timed_run
 from bench.run_record import REPO, run_record
@@ -199,22 +200,14 @@ def serve_part(tokenizer: str, repeats: int, card: dict) -> None:
     card["serve_itl_over_engine_step"] = round(card["serve_itl_ms"] / card["engine_step_ms_serve_shape"], 3)
 
 
-# The burst's load generator: 128 users split over this many client processes (8 requests each). Each process builds
-# and sends its requests on one event loop, with the openai package's ~1 ms of Python per request, and reads every one
-# of its streams there: with 4 processes (sessions 9-13) that serialization was part of every first token. The same
-# server, 4 / 8 / 16 processes interleaved, 5 bursts each on one H100 host: TTFT p50 112.4 / 89.9 / 85.6 ms, p99
-# 151.6 / 121.2 / 114.9 (bench/results/ttft-under-load-h100-session13/client-procs-ab.txt): the first token kept
-# falling until 16, so below that the figure was partly the clients'. Users on their own machines share no loop.
-BURST_CLIENT_PROCS = 16
-
-
 def burst_part(
-    tokenizer: str, repeats: int, card: dict, api_servers: int | None = None, client_procs: int = BURST_CLIENT_PROCS
+    tokenizer: str, repeats: int, card: dict, api_servers: int | None = None, client_procs: int = CLIENT_PROCS
 ) -> None:
     """bench.ttft_under_load's burst (0.6B shape): 128 streamed chat requests at once through the openai client over
     8 cached system prompts of ~1,520 tokens, after a warm-up; TTFT p50 / p99 of each timed burst. api_servers: the
     server's HTTP processes (--api-server-count; None: the server's default for this machine); client_procs: the
-    load generator's processes (BURST_CLIENT_PROCS says why so many); both recorded in the card beside the figures."""
+    load generator's processes (bench/burst_clients.py CLIENT_PROCS says why so many); both recorded in the card
+    beside the figures."""
     import multiprocessing
 
     from bench.ttft_under_load import run_mode, system_prompts
@@ -278,8 +271,8 @@ def main() -> None:
     parser.add_argument(
         "--burst-client-procs",
         type=int,
-        default=BURST_CLIENT_PROCS,
-        help=f"the burst part's client processes (default {BURST_CLIENT_PROCS})",
+        default=CLIENT_PROCS,
+        help=f"the burst part's client processes (default {CLIENT_PROCS})",
     )
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "scorecard-h100.json"))
     ns = parser.parse_args()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.burst_clients import burst
+from bench.burst_clients import burst, default_client_procs
 from bench.run_record import check_repeats, run_record, summarize, summarize_rows
 from bench.server_process import start_server
 from radixserve.testing.tiny_models import dummy_config_dir
@@ -191,9 +191,9 @@ def main() -> None:
     parser.add_argument(
         "--client-procs",
         type=int,
-        default=max(1, min(16, os.cpu_count() or 2)),
-        help="client processes the requests are split over (default: one per CPU, at most 16, as the scorecard's "
-        "burst: bench/scorecard.py BURST_CLIENT_PROCS says why)",
+        default=default_client_procs(),
+        help="client processes the requests are split over (default: one per CPU, at most 16: bench/burst_clients.py "
+        "CLIENT_PROCS says why)",
     )
     parser.add_argument("--shared-client", action="store_true", help="one AsyncOpenAI client per process")
     parser.add_argument("--server-flags", default="", help="more launch.py flags, e.g. '--max-total-tokens 65536'")
