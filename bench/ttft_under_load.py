@@ -45,6 +45,8 @@ MODES = {
     "pieces": [],
     "whole": ["--disable-chat-segment-cache"],
     "pool": ["--inline-tokenize-chars", "0"],  # pieces cached, but every prompt tokenized in the pool
+    # The worker's early read-back between long steps off (radixserve/worker/step_pipeline.py): its A/B.
+    "no-read-back-wait": ["--read-back-wait-ms", "0"],
 }
 WORDS = (
     "the of and to in is you that it for are as with be on your this by we or an will can not all at from "

@@ -125,6 +125,11 @@ class ServerArgs:
         "this long before they block, so a message is taken at once instead of after a wake-up (default 50 on "
         "GPU, 0 on CPU, where the cores are the model's; 0 disables).",
     )
+    read_back_wait_ms: float | None = _flag(
+        None,
+        "How long a worker waits for a prefill or mixed step's tokens to report them before it launches another such "
+        "step (radixserve/worker/step_pipeline.py says why; default 3 on GPU, 0 on CPU; 0 disables).",
+    )
     disable_incremental_decode_batch: bool = _flag(
         False,
         "Rebuild every decode batch from its requests instead of advancing the last one's arrays while the running "
@@ -175,16 +180,14 @@ class ServerArgs:
     )
     cpu_logits_block_mib: int = _flag(
         8,
-        "CPU workers: logits into a buffer kept across steps and sampled in row "
-        "blocks of at most this many MiB, so that memory stays flat (0: the whole "
-        "batch at once, fresh tensors every step).",
+        "CPU workers: logits into a buffer kept across steps and sampled in row blocks of at most this many MiB, so "
+        "that memory stays flat (0: the whole batch at once, fresh tensors every step).",
     )
     cuda_graph_max_bs: int = _flag(256, "Largest decode batch captured in a CUDA graph (larger ones run eagerly).")
     disable_prefill_cuda_graph: bool = _flag(
         False,
-        "Run prefill and mixed steps eagerly instead of replaying "
-        "piecewise CUDA graphs (attention eager between captured "
-        "pieces; radixserve/worker/prefill_cuda_graph.py).",
+        "Run prefill and mixed steps eagerly instead of replaying piecewise CUDA graphs (attention eager between "
+        "captured pieces; radixserve/worker/prefill_cuda_graph.py).",
     )
     # 4096: a burst of 128 cache hits of 20 new tokens admits ~2,100 in one step, which at 2,048 ran eagerly, ~21 ms
     # of host launches against ~11 as graphs (bench/results/extend-gqa-h100/prefill-graph-4096.md).
@@ -194,9 +197,8 @@ class ServerArgs:
     # Off by default: faster in isolation on the H100, slower end to end (bench/results/kernels-h100-2026-11-24/).
     enable_one_launch_decode: bool = _flag(
         False,
-        "Shared-prefix decode attention in one launch "
-        "(kernels/one_launch_decode.py) instead of prefix, suffix and merge "
-        "kernels.",
+        "Shared-prefix decode attention in one launch (kernels/one_launch_decode.py) instead of prefix, suffix and "
+        "merge kernels.",
     )
     # On by default: a decode step measured faster with them on the H100 (Qwen3-0.6B batch 1 1.745 -> 1.462 ms, W1
     # 3.82 -> 3.26 ms; Qwen3-8B 6.95 -> 6.52 and 10.11 -> 9.30 ms: bench/results/kernels-h100-2026-11-24b/).
@@ -207,33 +209,29 @@ class ServerArgs:
     )
     gate_up_silu_max_rows: int = _flag(
         16,
-        "Largest batch (rows) whose gate/up projection runs as one kernel with "
-        "SiLU-and-mul in its epilogue; larger ones use cuBLAS and a SiLU kernel "
-        "(0: never).",
+        "Largest batch (rows) whose gate/up projection runs as one kernel with SiLU-and-mul in its epilogue; larger "
+        "ones use cuBLAS and a SiLU kernel (0: never).",
     )
     skinny_linear_max_rows: int = _flag(
         16,
-        "Largest batch (rows, at most 16) whose other projections run as one "
-        "weight-streaming Triton kernel (kernels/triton_skinny_linear.py) instead "
-        "of cuBLAS (0: never).",
+        "Largest batch (rows, at most 16) whose other projections run as one weight-streaming Triton kernel "
+        "(kernels/triton_skinny_linear.py) instead of cuBLAS (0: never).",
     )
     disable_extend_key_split: bool = _flag(
         False, "Never split a prefill chunk's keys over programs (done when its grid would leave most of the GPU idle)."
     )
     disable_pdl: bool = _flag(
         False,
-        "Launch every kernel only once the one before it has finished, instead "
-        "of letting kernels built for it start beside their predecessor and "
-        "wait only where they read its output (programmatic dependent launch, "
-        "Hopper and later GPUs).",
+        "Launch every kernel only once the one before it has finished, instead of letting kernels built for it start "
+        "beside their predecessor and wait only where they read its output (programmatic dependent launch, Hopper and "
+        "later GPUs).",
     )
     # On by default since the H100 measured it faster end to end (W1 1.09x on Qwen3-8B and 1.24x on 0.6B, nothing
     # lost on unshared prompts) and as exact as the plain path on real weights (bench/results/h100-2026-11-23/).
     disable_shared_prefix_attention: bool = _flag(
         False,
-        "Decodes that share a cached prefix read its KV each on its "
-        "own instead of once for the group (shared-prefix decode "
-        "attention off).",
+        "Decodes that share a cached prefix read its KV each on its own instead of once for the group (shared-prefix "
+        "decode attention off).",
     )
     shared_prefix_min_tokens: int = _flag(
         512,

@@ -84,6 +84,10 @@ def apply_rules(args: ServerArgs) -> None:
         args.spin_wait_ms = 50.0 if args.device == "cuda" else 0.0
     if args.spin_wait_ms < 0:
         raise ValueError(f"--spin-wait-ms must be >= 0 (0: no spinning), got {args.spin_wait_ms}")
+    if args.read_back_wait_ms is None:
+        args.read_back_wait_ms = 3.0 if args.device == "cuda" else 0.0
+    if args.read_back_wait_ms < 0:
+        raise ValueError(f"--read-back-wait-ms must be >= 0 (0: never wait), got {args.read_back_wait_ms}")
     if args.layerwise_offload_chunk_size is None:
         args.layerwise_offload_chunk_size = args.chunked_prefill_size if args.chunked_prefill_size > 0 else 8192
 

@@ -193,6 +193,14 @@ class ModelRunner:
             max_prefix_splits=int(flat[-1]),
         )
 
+    def replays_decode_graph(self, batch: ForwardBatch) -> bool:
+        """Whether the step is one decode graph's replay (a short host launch; other steps launch layer by layer).
+        One new token is a decode whatever its context's length, a 1-token prompt's (context 0) included."""
+        if self.cuda_graphs is None or batch.long is not None:
+            return False
+        extend_lens = unpack_i32(batch.extend_lens)
+        return bool((extend_lens == 1).all()) and self.cuda_graphs.fits(len(extend_lens))
+
     def prepare(self, batch: ForwardBatch, all_positions: bool = False) -> StepInputs:
         """Unpack the batch once: host-tier copies queued, new requests registered, and then either the host arrays
         of a step that replays a decode graph (which writes req_to_token itself), or the step's index arrays on the
@@ -206,12 +214,8 @@ class ModelRunner:
         host_input_ids = unpack_i32(batch.input_ids)
         new_slots = unpack_i32(batch.out_cache_loc)
         seq_lens = prefix_lens + extend_lens
-        # Decodes come last in a batch; find where that tail starts. One new token over a cached context is a decode
-        # for the kernels whatever the context's length, a 1-token prompt (context 0) included: such a batch
-        # replays a decode graph instead of launching the extend path's kernels one by one.
-        not_decode = np.flatnonzero(extend_lens != 1)
-        num_extend = int(not_decode[-1]) + 1 if len(not_decode) else 0
-        if num_extend == 0 and not all_positions and self.cuda_graphs is not None and self.cuda_graphs.fits(len(rows)):
+        # A batch of decodes alone replays a decode graph instead of launching the extend path's kernels one by one.
+        if not all_positions and self.replays_decode_graph(batch):
             if batch.reused_slots:  # (the graph writes the new tokens' slots; ranges re-pointed at the tree here)
                 writes = self.req_to_token_pool.batch_writes(
                     batch.reused_slots, rows[:0], prefix_lens[:0], extend_lens[:0], new_slots[:0]
@@ -235,6 +239,8 @@ class ModelRunner:
                 new_slots=new_slots,
             )
 
+        not_decode = np.flatnonzero(extend_lens != 1)  # decodes come last in a batch: where that tail starts
+        num_extend = int(not_decode[-1]) + 1 if len(not_decode) else 0
         positions = batch_positions(prefix_lens, extend_lens)
         extend_start = (np.cumsum(extend_lens) - extend_lens).astype(np.int32)
         last_index = extend_start + extend_lens - 1

@@ -44,7 +44,8 @@ def run_worker(
     on_ready({"num_kv_slots": runner.num_kv_slots, "device": str(runner.device)})
     logger.info("rank %d ready: %d KV slots, context %d", rank, runner.num_kv_slots, runner.context_len)
     profiler = StepProfiler(rank)
-    pipeline = StepPipeline(runner)  # (why the next forward is queued before this step is read back: there)
+    # (Why the next forward is queued before this step is read back, and when not: there.)
+    pipeline = StepPipeline(runner, read_back_wait_s=args.read_back_wait_ms / 1e3)
     spin_s = args.spin_wait_ms / 1e3  # the next batch is polled for, not slept on, for up to this long
     while True:
         message = (
@@ -59,6 +60,9 @@ def run_worker(
             break
         assert isinstance(message, ForwardBatch)
         progress.begin()  # launch.py's watchdog times each batch (radixserve/runtime/heartbeat.py)
+        early = pipeline.finish_before(message)
+        if early is not None:
+            _report(early, rank, to_scheduler)
         done = pipeline.launch(message)
         if done is not None:
             _report(done, rank, to_scheduler)

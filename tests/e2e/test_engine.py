@@ -54,6 +54,29 @@ def test_spin_waiting_processes_serve_the_same_tokens():
         assert result.token_ids == hf_greedy(model_dir, engine.tokenizer.encode(prompt), 12), prompt
 
 
+def test_reading_back_before_long_steps_serves_the_same_tokens():
+    """--read-back-wait-ms (on by default on a GPU): between two prefill or mixed steps the worker reports the first
+    step's tokens before it launches the second. On the CPU every step is such a step, so with it on here each step
+    is read back before the next one's forward; with chunked prefill and a repetition penalty (whose state needs
+    each step's tokens before the next is sampled) the tokens are those of the pipelined order."""
+    model_dir = tiny_model_dir("llama")
+    prompts = ["The quick brown fox " * 12, "Radix trees share prefixes " * 9, "1 2 3 4 5 6 7"]
+    params = [
+        SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True),
+        SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True),
+    ]
+    outputs = {}
+    for wait_ms in (0.0, 5.0):
+        with Engine(
+            str(model_dir), device="cpu", max_total_tokens=2048, chunked_prefill_size=16, read_back_wait_ms=wait_ms
+        ) as engine:
+            assert engine.args.read_back_wait_ms == wait_ms
+            outputs[wait_ms] = [r.token_ids for r in engine.generate(prompts, params)]
+    assert outputs[5.0] == outputs[0.0]
+    assert outputs[0.0][0] == hf_greedy(model_dir, engine.tokenizer.encode(prompts[0]), 16)
+
+
 @pytest.fixture(scope="module")
 def smollm2_engine():
     with Engine(str(smollm2_dir()), device="cpu", max_total_tokens=4096) as engine:
