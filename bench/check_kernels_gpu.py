@@ -194,37 +194,6 @@ class Checker:
             TOLERANCE[str(dtype).replace("torch.", "")],
         )
 
-    def normed(self, kind, dtype, rows, k, n, residual, g):
-        """A projection with the RMSNorm before it inside its kernel (kernels/triton_norm_input.py): kind "skinny"
-        (triton_skinny_linear.py) or "gate_up" (triton_mlp.py; n the intermediate size), against the unfused twin in
-        fp32; the residual stream it returns must be x + residual rounded to the dtype, exactly."""
-        from kernels import triton_mlp, triton_skinny_linear
-
-        torch = self.torch
-        dev_gen = torch.Generator(device=self.device)
-        dev_gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
-        x = (torch.randn(rows, k, generator=dev_gen, device=self.device) * 3).to(dtype)
-        r = (torch.randn(rows, k, generator=dev_gen, device=self.device) * 3).to(dtype) if residual else None
-        gamma = (torch.rand(k, generator=dev_gen, device=self.device) + 0.5).to(dtype)
-        w = (torch.randn(n * (2 if kind == "gate_up" else 1), k, generator=dev_gen, device=self.device) / k**0.25).to(
-            dtype
-        )
-        h = x if r is None else (x.float() + r.float()).to(dtype)
-        normed = self.ref.rmsnorm(h.float(), gamma.float(), 1e-6)
-        projected = torch.nn.functional.linear(normed, w.float())
-        ref = self.ref.silu_and_mul(projected) if kind == "gate_up" else projected
-        op = triton_mlp.gate_up_silu if kind == "gate_up" else triton_skinny_linear.skinny_linear
-        out, stream = op(x, w, norm=(gamma, 1e-6, r))
-        err = rel_err(torch, out, ref) if torch.equal(stream, h) else float("inf")  # the stream exactly x + r
-        self.record(
-            f"normed_{kind}",
-            dtype,
-            f"M{rows} K{k} N{n}",
-            f"rmsnorm{' + residual' if residual else ''} in the kernel vs fp32",
-            err,
-            TOLERANCE[str(dtype).replace("torch.", "")],
-        )
-
     def store_kv(self, dtype, n, hkv, d, g, index_dtype):
         torch = self.torch
         num_slots = 3 * n + 5

@@ -229,17 +229,7 @@ class KernelVariants:
             triton_skinny_linear,
         )
 
-        def normed(op, x, norm):  # (op(rmsnorm(x + residual)), x + residual): a projection with its norm fused
-            if norm is None:
-                return op(x)
-            weight, eps, residual = norm
-            hidden = x if residual is None else x + residual
-            return op(reference.rmsnorm(hidden, weight, eps)), hidden
-
-        twins = {  # the fused ops' twins, where kernels/reference.py has none of that signature
-            "skinny_linear": lambda x, weight, norm=None: normed(lambda h: F.linear(h, weight), x, norm),
-            "gate_up_silu": lambda x, weight, norm=None: normed(lambda h: reference.gate_up_silu(h, weight), x, norm),
-        }
+        twins = {"skinny_linear": lambda x, weight: F.linear(x, weight)}  # ops kernels/reference.py has no twin of
 
         class Shadow:
             """Each op: the Triton wrapper (its launches recorded, not run), then the torch twin (the result)."""
@@ -248,10 +238,8 @@ class KernelVariants:
                 self.module = module
 
             def __getattr__(self, name):
-                if name == "skinny_supports":  # questions, not ops
+                if name == "skinny_supports":  # a question, not an op
                     return triton_skinny_linear.supports
-                if name == "gate_up_norm_fits":
-                    return triton_mlp.norm_fits
 
                 def op(*args, **kwargs):
                     getattr(self.module, name)(*args, **kwargs)

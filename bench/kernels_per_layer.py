@@ -31,7 +31,7 @@ from radixserve.models.registry import model_class
 from radixserve.protocol import PrefixGroups, pack_i32
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNFUSED = dict(one_launch_decode=0, fused_qkv=0, gate_up_silu_max_rows=0, skinny_linear_max_rows=0, pdl=0, fused_norm=0)
+UNFUSED = dict(one_launch_decode=0, fused_qkv=0, gate_up_silu_max_rows=0, skinny_linear_max_rows=0, pdl=0)
 # name: (kernel options, cuBLAS split-K allowed)
 OPTION_SETS = {
     "unfused (before)": (UNFUSED, True),
@@ -46,7 +46,6 @@ OPTION_SETS = {
     ),
     "serving's defaults (+ skinny projections)": (dict(one_launch_decode=0), True),
     "serving's defaults, PDL off": (dict(one_launch_decode=0, pdl=0), True),
-    "serving's defaults, norms apart": (dict(one_launch_decode=0, fused_norm=0), True),
 }
 BATCHES = {"bs1": (1, 0, 1024), "bs16": (16, 0, 1024), "W1": (128, 1024, 128)}  # requests, shared prefix, own
 CONTEXT_LEN = 40960

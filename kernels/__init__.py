@@ -17,9 +17,8 @@ kernels/triton_mlp.py) and skinny_linear_max_rows (the other projections by one 
 many rows, instead of cuBLAS; 0: never: kernels/triton_skinny_linear.py) and pdl (programmatic dependent launch on
 Hopper and later: a kernel starts beside the one before it and waits for it only where it reads its output;
 kernels/triton_common.py) and extend_key_splits (an extend whose grid is too small for the device, a lone cache
-hit's, splits its keys over programs and merges them: kernels/triton_attention.py extend_num_splits) and fused_norm
-(a layer's RMSNorms, with their residual adds, inside the next projection's kernel where that is the skinny or the
-gate/up kernel: kernels/triton_norm_input.py). The torch twins compute the same functions whatever the options.
+hit's, splits its keys over programs and merges them: kernels/triton_attention.py extend_num_splits). The torch twins
+compute the same functions whatever the options.
 """
 
 import os
@@ -57,7 +56,6 @@ OPTIONS = {
     "skinny_linear_max_rows": 16,
     "pdl": True,
     "extend_key_splits": True,
-    "fused_norm": True,
 }
 
 
@@ -319,7 +317,6 @@ def _fused_impl(tensor):
         _fused_ops = types.SimpleNamespace(
             qk_norm_rope_store=triton_qkv.qk_norm_rope_store,
             gate_up_silu=triton_mlp.gate_up_silu,
-            gate_up_norm_fits=triton_mlp.norm_fits,
             skinny_linear=triton_skinny_linear.skinny_linear,
             skinny_supports=triton_skinny_linear.supports,
         )
@@ -330,10 +327,24 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, ep
     """In place: each head of q [T, Hq, D] and k [T, Hkv, D] RMS-normalised with q_weight / k_weight (None: no norm,
     as in Llama), rotated as rope() does, then k and v stored into their KV slots as store_kv() does. q/k/v may be
     strided views of a fused QKV output. One kernel on the GPU (OPTIONS["fused_qkv"]), else the four it replaces."""
-    args = (q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc)
     if _use_reference(q) or OPTIONS["fused_qkv"]:
-        return _fused_impl(q).qk_norm_rope_store(*args)
-    reference.qk_norm_rope_store(*args, ops=sys.modules[__name__])  # the four kernels it replaces
+        return _fused_impl(q).qk_norm_rope_store(
+            q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc
+        )
+    reference.qk_norm_rope_store(
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        q_weight,
+        k_weight,
+        eps,
+        k_cache,
+        v_cache,
+        out_cache_loc,
+        ops=sys.modules[__name__],
+    )  # the four kernels it replaces
 
 
 def gate_up_silu(x, weight):
@@ -344,57 +355,36 @@ def gate_up_silu(x, weight):
     return silu_and_mul(F.linear(x, weight))
 
 
-def _skinny(x, weight):
-    """Whether linear() takes the weight-streaming kernel for x and weight."""
-    return (
-        not _use_reference(x)
-        and x.numel() <= min(16, OPTIONS["skinny_linear_max_rows"]) * x.shape[-1]
-        and _fused_impl(x).skinny_supports(weight)
-    )
-
-
 def linear(x, weight, bias=None):
     """x @ weight^T (+ bias) for a projection of the model: one weight-streaming kernel on the GPU up to
     OPTIONS["skinny_linear_max_rows"] rows (at most 16) where the weight's shape allows, else cuBLAS."""
-    if not _skinny(x, weight):
+    if (
+        _use_reference(x)
+        or x.numel() > min(16, OPTIONS["skinny_linear_max_rows"]) * x.shape[-1]
+        or not _fused_impl(x).skinny_supports(weight)
+    ):
         return F.linear(x, weight, bias)
     y = _fused_impl(x).skinny_linear(x, weight)
     return y if bias is None else y + bias
 
 
-def rmsnorm_linear(x, residual, norm_weight, eps, weight, bias=None):
-    """(linear(rmsnorm(x [+ residual])), the residual stream: x + residual, or x without one). One kernel where
-    linear() takes the skinny kernel and OPTIONS["fused_norm"] (kernels/triton_norm_input.py), else the two."""
-    if OPTIONS["fused_norm"] and _skinny(x, weight):
-        y, residual = _fused_impl(x).skinny_linear(x, weight, norm=(norm_weight, eps, residual))
-        return (y if bias is None else y + bias), residual
-    normed, residual = _rmsnorm_with_residual(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), residual
-
-
-def rmsnorm_gate_up_silu(x, residual, norm_weight, eps, weight):
-    """(gate_up_silu(rmsnorm(x [+ residual])), the residual stream), as rmsnorm_linear is to linear: one kernel where
-    gate_up_silu() takes its kernel, OPTIONS["fused_norm"] is on and the hidden size fits its tiles."""
-    if (
-        OPTIONS["fused_norm"]
-        and not _use_reference(x)
-        and x.numel() <= OPTIONS["gate_up_silu_max_rows"] * x.shape[-1]
-        and _fused_impl(x).gate_up_norm_fits(x)
-    ):
-        return _fused_impl(x).gate_up_silu(x, weight, norm=(norm_weight, eps, residual))
-    normed, residual = _rmsnorm_with_residual(x, residual, norm_weight, eps)
-    return gate_up_silu(normed, weight), residual
-
-
-def _rmsnorm_with_residual(x, residual, weight, eps):
-    return (rmsnorm(x, weight, eps), x) if residual is None else rmsnorm(x, weight, eps, residual)
-
-
-# fmt: off
 __all__ = [
-    "BACKENDS", "OPTIONS", "set_backend", "get_backend", "configure", "store_kv", "extend_attention",
-    "compile_extend_variants", "decode_attention", "decode_attention_grouped", "rmsnorm", "rope", "silu_and_mul",
-    "qk_norm_rope_store", "gate_up_silu", "linear", "prefix_slices", "prefix_slices_bound", "rmsnorm_linear",
-    "rmsnorm_gate_up_silu",
+    "BACKENDS",
+    "OPTIONS",
+    "set_backend",
+    "get_backend",
+    "configure",
+    "store_kv",
+    "extend_attention",
+    "compile_extend_variants",
+    "decode_attention",
+    "decode_attention_grouped",
+    "rmsnorm",
+    "rope",
+    "silu_and_mul",
+    "qk_norm_rope_store",
+    "gate_up_silu",
+    "linear",
+    "prefix_slices",
+    "prefix_slices_bound",
 ]
-# fmt: on

@@ -20,7 +20,6 @@ from kernels.triton_common import (
     pdl_args,
     wait_for_prior_kernel,
 )
-from kernels.triton_norm_input import inv_rms, load_normed_tile
 
 
 @jit(do_not_specialize=["rows"])
@@ -28,23 +27,15 @@ def _gate_up_silu_kernel(
     X,
     W,
     Out,
-    Residual,
-    NormW,
-    Hidden_out,
-    eps,
     rows,
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
-    stride_hm,
     INTER: tl.constexpr,
     HIDDEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,  # x RMS-normalised first (triton_norm_input.py; HIDDEN a whole number of BLOCK_K steps)
-    HAS_RESIDUAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -56,42 +47,28 @@ def _gate_up_silu_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    tl.static_assert(EVEN_K or not NORM)
     m_ok = offs_m < rows
     n_ok = offs_n < INTER
-    rows64 = offs_m[:, None].to(tl.int64)
-    x_offs = rows64 * stride_xm + offs_k[None, :]
-    r_offs = rows64 * stride_rm + offs_k[None, :]
-    h_offs = rows64 * stride_hm + offs_k[None, :]
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + INTER * stride_wn
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
         if EVEN_K:  # row masks only: the loads stay 16 bytes wide along the hidden axis
-            x, sum_sq = load_normed_tile(
-                X, Residual, Hidden_out, NormW, x_offs, r_offs, h_offs, k0 + offs_k, m_ok[:, None], pid_n == 0,
-                sum_sq, NORM, HAS_RESIDUAL,
-            )  # fmt: skip
+            x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
             w_gate = tl.load(gate_ptrs, mask=n_ok[:, None], other=0.0)
             w_up = tl.load(up_ptrs, mask=n_ok[:, None], other=0.0)
         else:
             k_ok = k0 + offs_k < HIDDEN
-            x = tl.load(X + x_offs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w_gate = tl.load(gate_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             w_up = tl.load(up_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         acc_gate = tl.dot(x, tl.trans(w_gate), acc_gate, input_precision=DOT_PRECISION)
         acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
-        x_offs += BLOCK_K
-        r_offs += BLOCK_K
-        h_offs += BLOCK_K
+        x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
-    if NORM:
-        scale = inv_rms(sum_sq, eps, HIDDEN)[:, None]
-        acc_gate = acc_gate * scale
-        acc_up = acc_up * scale
     # Rounded to the storage dtype as the unfused projection's output is, so that SiLU-and-mul sees the same inputs.
     gate = acc_gate.to(Out.dtype.element_ty).to(tl.float32)
     up = acc_up.to(Out.dtype.element_ty).to(tl.float32)
@@ -118,58 +95,34 @@ def gate_up_config(dtype, device):
     return GATE_UP_CONFIG["fp32" if dtype == torch.float32 else "16bit"]
 
 
-def _rows(t):
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-def norm_fits(x, config=None) -> bool:
-    """Whether the kernel can normalise x itself: the hidden size a whole number of BLOCK_K steps."""
-    cfg = dict(gate_up_config(x.dtype, x.device), **(config or {}))
-    return x.shape[-1] % cfg["BLOCK_K"] == 0
-
-
-def gate_up_silu(x, weight, config=None, norm=None):
-    """[..., H] x [2I, H] -> [..., I] in one kernel. norm=(norm_weight, eps, residual or None): of rmsnorm(x [+
-    residual]) (triton_norm_input.py; norm_fits(x) must hold), returned with the new residual stream as (y,
-    residual)."""
+def gate_up_silu(x, weight, config=None):
+    """[..., H] x [2I, H] -> [..., I] in one kernel."""
     shape = x.shape
-    x2 = _rows(x)
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     rows, hidden = x2.shape
     inter = weight.shape[0] // 2
     assert weight.stride(1) == 1 and weight.shape[1] == hidden
-    assert norm is None or norm_fits(x, config)
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
-    norm_weight, eps, residual = norm if norm is not None else (x2, 0.0, None)
-    r2 = x2 if residual is None else _rows(residual)
-    hidden_out = x2 if residual is None else torch.empty_like(x2)
     if rows:
         cfg = dict(gate_up_config(x.dtype, x.device), **(config or {}))
         _gate_up_silu_kernel[(triton.cdiv(inter, cfg["BLOCK_N"]), triton.cdiv(rows, cfg["BLOCK_M"]))](
             x2,
             weight,
             out,
-            r2,
-            norm_weight,
-            hidden_out,
-            eps,
             rows,
             x2.stride(0),
             weight.stride(0),
             out.stride(0),
-            r2.stride(0),
-            hidden_out.stride(0),
             INTER=inter,
             HIDDEN=hidden,
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"],
-            NORM=norm is not None,
-            HAS_RESIDUAL=residual is not None,
             DOT_PRECISION=dot_precision(x.dtype),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
             **pdl_args(x.device, linear_kind(weight)),
         )
-    y = out.view(*shape[:-1], inter)
-    return y if norm is None else (y, x if residual is None else hidden_out.view(shape))
+    return out.view(*shape[:-1], inter)

@@ -25,7 +25,6 @@ from kernels.triton_common import (
     wait_for_prior_kernel,
     zeroed_counters,
 )
-from kernels.triton_norm_input import inv_rms, load_normed_tile
 
 
 @jit(do_not_specialize=["rows"])
@@ -35,30 +34,21 @@ def _skinny_linear_kernel(
     Out,
     Partials,
     Counters,
-    Residual,
-    NormW,
-    Hidden_out,
-    eps,
     rows,
     stride_xm,
     stride_wn,
     stride_om,
-    stride_rm,
-    stride_hm,
     N: tl.constexpr,
     K: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    NORM: tl.constexpr,  # x RMS-normalised first (triton_norm_input.py): one split only, every program sees all of K
-    HAS_RESIDUAL: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
     let_next_kernel_start(PDL)
-    tl.static_assert(SPLITS == 1 or not NORM)
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     K_PER_SPLIT: tl.constexpr = K // SPLITS  # the host picks SPLITS that divide K into whole BLOCK_K steps
@@ -67,27 +57,15 @@ def _skinny_linear_kernel(
     offs_k = split * K_PER_SPLIT + tl.arange(0, BLOCK_K)
     m_ok = offs_m < rows
     n_ok = offs_n < N
-    rows64 = offs_m[:, None].to(tl.int64)
-    x_offs = rows64 * stride_xm + offs_k[None, :]
-    r_offs = rows64 * stride_rm + offs_k[None, :]
-    h_offs = rows64 * stride_hm + offs_k[None, :]
+    x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    sum_sq = tl.zeros([BLOCK_M], tl.float32)
     for _ in range(0, K_PER_SPLIT, BLOCK_K):
-        x, sum_sq = load_normed_tile(
-            X, Residual, Hidden_out, NormW, x_offs, r_offs, h_offs, offs_k, m_ok[:, None], pid_n == 0, sum_sq,
-            NORM, HAS_RESIDUAL,
-        )  # fmt: skip
+        x = tl.load(x_ptrs, mask=m_ok[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        x_offs += BLOCK_K
-        r_offs += BLOCK_K
-        h_offs += BLOCK_K
-        offs_k += BLOCK_K
+        x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if NORM:
-        acc = acc * inv_rms(sum_sq, eps, K)[:, None]
     out_ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
     out_mask = m_ok[:, None] & n_ok[None, :]
     if SPLITS == 1:
@@ -138,29 +116,21 @@ def supports(weight) -> bool:
     return weight.stride(1) == 1 and weight.shape[1] % cfg["BLOCK_K"] == 0
 
 
-def _rows(t):
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
-
-def skinny_linear(x, weight, config=None, splits=None, norm=None):
-    """[..., K] x [N, K] -> [..., N] for at most BLOCK_M (16) rows, in one kernel. norm=(norm_weight, eps,
-    residual or None): y = rmsnorm(x [+ residual]) W^T (triton_norm_input.py), returned with the new residual stream
-    (x + residual, or x itself without one) as (y, residual)."""
+def skinny_linear(x, weight, config=None, splits=None):
+    """[..., K] x [N, K] -> [..., N] for at most BLOCK_M (16) rows, in one kernel."""
     shape = x.shape
-    x2 = _rows(x)
+    x2 = x.reshape(-1, shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
     rows, k = x2.shape
     n = weight.shape[0]
     cfg = dict(skinny_config(x.dtype, x.device), **(config or {}))
     assert rows <= cfg["BLOCK_M"] and weight.shape[1] == k and weight.stride(1) == 1
     assert k % cfg["BLOCK_K"] == 0, "K must be a whole number of BLOCK_K steps (kernels.skinny_linear checks)"
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    norm_weight, eps, residual = norm if norm is not None else (x2, 0.0, None)
-    r2 = x2 if residual is None else _rows(residual)
-    hidden = x2 if residual is None else torch.empty_like(x2)
     if rows:
         column_blocks = triton.cdiv(n, cfg["BLOCK_N"])
-        splits = 1 if norm is not None else splits or num_splits(n, k, cfg, x.device)
+        splits = splits or num_splits(n, k, cfg, x.device)
         partials = torch.empty(
             (splits, cfg["BLOCK_M"], n) if splits > 1 else (1,), dtype=torch.float32, device=x.device
         )
@@ -170,28 +140,19 @@ def skinny_linear(x, weight, config=None, splits=None, norm=None):
             out,
             partials,
             zeroed_counters(x.device, column_blocks),
-            r2,
-            norm_weight,
-            hidden,
-            eps,
             rows,
             x2.stride(0),
             weight.stride(0),
             out.stride(0),
-            r2.stride(0),
-            hidden.stride(0),
             N=n,
             K=k,
             SPLITS=splits,
             BLOCK_M=cfg["BLOCK_M"],
             BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"],
-            NORM=norm is not None,
-            HAS_RESIDUAL=residual is not None,
             DOT_PRECISION=dot_precision(x.dtype),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
             **pdl_args(x.device, linear_kind(weight)),
         )
-    y = out.view(*shape[:-1], n)
-    return y if norm is None else (y, x if residual is None else hidden.view(shape))
+    return out.view(*shape[:-1], n)

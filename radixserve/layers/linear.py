@@ -63,11 +63,6 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.linear(x, self.weight, self.bias)
 
-    def normed(self, x: torch.Tensor, residual: torch.Tensor | None, norm) -> tuple[torch.Tensor, torch.Tensor]:
-        """(This projection of norm(x + residual), the residual stream x + residual): the norm (an RMSNorm) inside
-        the projection's kernel where kernels.rmsnorm_linear can."""
-        return kernels.rmsnorm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stacked into one GEMM (gate_proj + up_proj); shard_id picks the block."""

@@ -5,10 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import kernels
-
 from radixserve.model_config import ModelConfig
 from radixserve.runtime.distributed import get_tp_size
+from radixserve.layers.activation import gate_up_silu
 from radixserve.layers.attention import Attention
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -36,23 +35,23 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def query(self, positions: torch.Tensor, hidden, residual, norm: RMSNorm):
-        """(Q/K/V of the new tokens ([T, H, D] each, views of one projection output), the residual stream): the
-        input norm and its residual add inside the projection where that is one kernel (kernels.rmsnorm_linear),
-        then Q/K normalised per head (Qwen3) and rotated in place, K/V stored into their KV slots, by one kernel
-        (kernels.qk_norm_rope_store)."""
-        qkv, residual = self.qkv_proj.normed(hidden, residual, norm)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+    def query(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Q/K/V of the new tokens ([T, H, D] each, views of one projection output): Q/K normalised per head (Qwen3)
+        and rotated in place, K/V stored into their KV slots, by one kernel (kernels.qk_norm_rope_store)."""
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
         self.attn.store_rotated(positions, q, k, v, self.rotary_emb.cos_sin_cache, q_norm, k_norm, eps)
-        return (q, k, v), residual
+        return q, k, v
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o.reshape(-1, self.q_size))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return self.output(self.attn.attend(*self.query(positions, hidden)))
 
 
 class LlamaMLP(nn.Module):
@@ -63,11 +62,9 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm):
-        """(The MLP's output, the residual stream) of norm(x + residual): the merged projection with SiLU-and-mul
-        in its epilogue, and the norm with its residual add in its prologue (one kernel at decode-sized batches)."""
-        up, residual = kernels.rmsnorm_gate_up_silu(x, residual, norm.weight, norm.eps, self.gate_up_proj.weight)
-        return self.down_proj(up), residual
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # The merged projection with SiLU-and-mul in its epilogue (one kernel at decode-sized batches).
+        return self.down_proj(gate_up_silu(x, self.gate_up_proj.weight))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -84,11 +81,17 @@ class LlamaDecoderLayer(nn.Module):
     def before_attention(self, positions, hidden, residual):
         """Norm (with the residual add), Q/K/V, K/V stored: ((Q, K, V), the residual stream)."""
         # The residual stream is carried separately so each norm can fuse the residual add.
-        return self.self_attn.query(positions, hidden, residual, self.input_layernorm)
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        return self.self_attn.query(positions, hidden), residual
 
     def after_attention(self, o, residual):
         """Output projection, norm (with the residual add) and MLP: (hidden, the residual stream)."""
-        return self.mlp(self.self_attn.output(o), residual, self.post_attention_layernorm)
+        hidden, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
+        return self.mlp(hidden), residual
 
     def forward(self, positions, hidden, residual):
         qkv, residual = self.before_attention(positions, hidden, residual)

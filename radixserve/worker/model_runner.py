@@ -57,12 +57,12 @@ class ModelRunner:
         kernels.configure(
             one_launch_decode=server_args.enable_one_launch_decode,
             fused_qkv=fused,
-            fused_norm=fused and not server_args.disable_fused_norm,
             gate_up_silu_max_rows=server_args.gate_up_silu_max_rows if fused else 0,
             skinny_linear_max_rows=server_args.skinny_linear_max_rows,
             pdl=not server_args.disable_pdl,
             extend_key_splits=not server_args.disable_extend_key_split,
         )
+
         self.model = self._load_model(Path(model_dir))
         # Layer-wise offload's GPU buffers before the KV pool, which is sized from the memory left after them.
         self.offload = LayerwiseOffload(self) if server_args.enable_layerwise_offload else None

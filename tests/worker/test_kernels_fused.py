@@ -1,8 +1,7 @@
 """The layer fusions keep the CPU path bit for bit what it was.
 
-kernels.qk_norm_rope_store, kernels.gate_up_silu and kernels.rmsnorm_linear / rmsnorm_gate_up_silu replaced, in the
-model, the sequences norm -> RoPE -> store, projection -> SiLU-and-mul and RMSNorm -> projection. On the CPU their
-torch twins run: here they are compared with those sequences exactly
+kernels.qk_norm_rope_store and kernels.gate_up_silu replaced, in the model, the sequences norm -> RoPE -> store and
+projection -> SiLU-and-mul. On the CPU their torch twins run: here they are compared with those sequences exactly
 (torch.equal), op by op and through a whole model step, the old sequences written out as the layers ran them.
 The Triton kernels are checked against the twins under TRITON_INTERPRET=1 (tests/worker/test_kernels_triton.py).
 """
@@ -79,21 +78,6 @@ def _old_mlp(self, x):
     return self.down_proj(kernels.silu_and_mul(self.gate_up_proj(x)))
 
 
-def _old_before_attention(self, positions, hidden, residual):
-    """LlamaDecoderLayer.before_attention before the norm went into the QKV projection (kernels.rmsnorm_linear)."""
-    if residual is None:
-        residual = hidden
-        hidden = self.input_layernorm(hidden)
-    else:
-        hidden, residual = self.input_layernorm(hidden, residual)
-    return _old_query(self.self_attn, positions, hidden), residual
-
-
-def _old_after_attention(self, o, residual):
-    hidden, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
-    return _old_mlp(self.mlp, hidden), residual
-
-
 @pytest.mark.parametrize("arch", ["Qwen3ForCausalLM", "LlamaForCausalLM"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_step_on_the_cpu_is_unchanged(arch, dtype, monkeypatch):
@@ -144,8 +128,8 @@ def test_model_step_on_the_cpu_is_unchanged(arch, dtype, monkeypatch):
             set_forward_context(None)
 
     new, new_caches = logits()
-    monkeypatch.setattr(llama.LlamaDecoderLayer, "before_attention", _old_before_attention)
-    monkeypatch.setattr(llama.LlamaDecoderLayer, "after_attention", _old_after_attention)
+    monkeypatch.setattr(llama.LlamaAttention, "query", _old_query)
+    monkeypatch.setattr(llama.LlamaMLP, "forward", _old_mlp)
     old, old_caches = logits()
     assert torch.equal(new, old)
     assert all(torch.equal(a, b) for a, b in zip(new_caches, old_caches))
