@@ -51,7 +51,8 @@ class StepPipeline:
 
     def launch(self, batch: ForwardBatch) -> SampledTokens | None:
         """Queue the batch's forward, read back the step before it (if any: returned), then sample the batch."""
-        is_long = not self.runner.replays_decode_graph(batch)
+        # (Asked only where finish_before will use it: the in-process executor never waits.)
+        is_long = self.read_back_wait_s > 0 and not self.runner.replays_decode_graph(batch)
         logits = self.runner.compute_logits(batch)
         done = self.finish()
         self.in_flight = self.runner.sample(batch, logits)

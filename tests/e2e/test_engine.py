@@ -57,8 +57,9 @@ def test_spin_waiting_processes_serve_the_same_tokens():
 def test_reading_back_before_long_steps_serves_the_same_tokens():
     """--read-back-wait-ms (on by default on a GPU): between two prefill or mixed steps the worker reports the first
     step's tokens before it launches the second. On the CPU every step is such a step, so with it on here each step
-    is read back before the next one's forward; with chunked prefill and a repetition penalty (whose state needs
-    each step's tokens before the next is sampled) the tokens are those of the pipelined order."""
+    is read back before the next one's forward. With chunked prefill (steps that sample nothing) and a penalised
+    request beside plain ones, the tokens are those of the pipelined order; a step reported early and then lost
+    leaves the scheduler waiting for it, and the test never ends."""
     model_dir = tiny_model_dir("llama")
     prompts = ["The quick brown fox " * 12, "Radix trees share prefixes " * 9, "1 2 3 4 5 6 7"]
     params = [
