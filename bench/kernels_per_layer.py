@@ -46,6 +46,7 @@ OPTION_SETS = {
     ),
     "serving's defaults (+ skinny projections)": (dict(one_launch_decode=0), True),
     "serving's defaults, PDL off": (dict(one_launch_decode=0, pdl=0), True),
+    "serving's defaults, no prefetch": (dict(one_launch_decode=0, pdl_prefetch=0), True),
 }
 BATCHES = {"bs1": (1, 0, 1024), "bs16": (16, 0, 1024), "W1": (128, 1024, 128)}  # requests, shared prefix, own
 CONTEXT_LEN = 40960

@@ -35,6 +35,7 @@ from kernels.triton_common import (
     dot_precision,
     pdl_args,
     power_of_two_at_most,
+    prefetches,
     sm_count,
     split_capacity,
 )
@@ -73,6 +74,17 @@ def decode_num_splits(batch, num_kv_heads, max_seq_len, device):
     splits = triton.cdiv(target, max(1, batch * num_kv_heads))
     splits = min(splits, triton.cdiv(max(1, max_seq_len), cfg["min_split_tokens"]), cfg["max_splits"])
     return power_of_two_at_most(splits)
+
+
+def prefetches_kv(k_cache, v_cache) -> bool:
+    """Whether the decode kernel asks L2 for its first block's K/V rows before its PDL wait (triton_common.prefetches):
+    only where every row is whole 16-byte units at 16-byte-aligned addresses, as the bulk prefetch needs."""
+    size = k_cache.element_size()
+    aligned = all(
+        t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0 and t.stride(1) * size % 16 == 0
+        for t in (k_cache, v_cache)
+    )
+    return aligned and k_cache.shape[-1] * size % 16 == 0 and prefetches(k_cache.device, "attention")
 
 
 def decode_attention(
@@ -132,6 +144,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION=dot_precision(q.dtype),
+        PREFETCH=prefetches_kv(k_cache, v_cache),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device, "attention"),

@@ -12,6 +12,7 @@ from kernels.triton_common import (
     load_rows,
     merge_partials_block,
     online_softmax_block,
+    prefetch_to_l2,
     wait_for_prior_kernel,
 )
 
@@ -51,23 +52,42 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # One program = one request x one KV head x one slice of the context. All query heads of the KV
     # head ride along as the rows of the dot, so each K/V row is read from memory once per group.
-    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
-    let_next_kernel_start(PDL)
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # The step's lengths and table predate the kernel before (which writes q and the new token's K/V), and so does
+    # the KV of every earlier token: the bounds are read, and the first block's K/V rows asked of L2, before the wait.
     seq_len = tl.load(Seq_lens + req)
+    pool_row = tl.load(Req_pool_indices + req)
     # Split length rounded to BLOCK_N so that only the last block of a request is ragged.
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
     if start >= end:
+        wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
         return  # the merge recomputes these bounds and skips this split
+    table = Req_to_token + pool_row.to(tl.int64) * stride_rt
+    if PREFETCH:
+        first = start + tl.arange(0, BLOCK_N)
+        first_slots = tl.load(table + first, mask=first < end, other=0).to(tl.int64)
+        # [tokens, 2]: each token's K row, then its V row: one prefetch per thread, where a [tokens] vector of
+        # pointers would repeat in every warp.
+        kv = tl.arange(0, 2)[None, :]
+        rows = tl.where(
+            kv == 0,
+            K_cache + kv_head * stride_kh + first_slots[:, None] * stride_kn,
+            V_cache + kv_head * stride_vh + first_slots[:, None] * stride_vn,
+        )
+        row_bytes: tl.constexpr = HEAD_DIM * K_cache.dtype.element_ty.primitive_bitwidth // 8
+        prefetch_to_l2(rows, tl.full([BLOCK_N, 2], row_bytes, tl.int32))
+    wait_for_prior_kernel(PDL)
+    let_next_kernel_start(PDL)
 
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
@@ -80,7 +100,6 @@ def _decode_split_kernel(
         other=0.0,
     )
 
-    table = Req_to_token + tl.load(Req_pool_indices + req).to(tl.int64) * stride_rt
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)

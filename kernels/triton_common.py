@@ -157,6 +157,22 @@ def let_next_kernel_start(PDL: tl.constexpr):
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@triton.jit
+def prefetch_to_l2(ptrs, nbytes):
+    """Asks for nbytes from each pointer (16-byte aligned; nbytes a multiple of 16) to be copied into L2 and returns at
+    once (Hopper's bulk prefetch: no registers or shared memory held). Issued before a kernel's PDL wait for data that
+    predates the kernel before it, so that it streams in while that kernel finishes. L2 is where global memory is
+    coherent: a line prefetched before another kernel writes it is updated by that write, never stale."""
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r",
+        [ptrs, nbytes],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
 _PDL_DEVICES: dict = {}
 
 
@@ -191,6 +207,12 @@ def uses_pdl(device, kind: str) -> bool:
     """Whether a kernel of this kind launches with PDL: the device supports it, kernels.OPTIONS["pdl"] is on
     (--disable-pdl turns it off) and the kind is in PDL_KINDS."""
     return bool(kernels.OPTIONS["pdl"]) and kind in PDL_KINDS and pdl_supported(device)
+
+
+def prefetches(device, kind: str) -> bool:
+    """Whether a kernel of this kind prefetches what it can before its PDL wait: it launches with PDL (otherwise
+    nothing runs before it to hide behind) and kernels.OPTIONS["pdl_prefetch"] is on (--disable-pdl-prefetch)."""
+    return bool(kernels.OPTIONS["pdl_prefetch"]) and uses_pdl(device, kind)
 
 
 def pdl_args(device, kind: str) -> dict:

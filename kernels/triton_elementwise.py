@@ -29,11 +29,12 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
-    let_next_kernel_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
+    w = tl.load(Weight + cols, mask=ok, other=0.0).to(tl.float32)  # a weight: read before the wait
+    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
+    let_next_kernel_start(PDL)
     x = tl.load(X + row * stride_x + cols, mask=ok, other=0.0)
     if HAS_RESIDUAL:
         # Round the sum to the storage dtype before normalising, as the unfused `x + residual` would:
@@ -43,7 +44,6 @@ def _rmsnorm_kernel(
         tl.store(Hidden_out + row * stride_h + cols, x, mask=ok)
     xf = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
-    w = tl.load(Weight + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_o + cols, (xf * inv_rms * w).to(Out.dtype.element_ty), mask=ok)
 
 

@@ -127,8 +127,6 @@ def _qk_norm_rope_store_kernel(
     HAS_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
-    let_next_kernel_start(PDL)
     token = tl.program_id(0).to(tl.int64)
     ROT: tl.constexpr = 2 * HALF
     HAS_REST: tl.constexpr = ROT < HEAD_DIM
@@ -139,6 +137,10 @@ def _qk_norm_rope_store_kernel(
     rest_ok = rest < HEAD_DIM - ROT
     cos = tl.load(Cos_sin + pos * stride_cs + halves, mask=half_ok, other=0.0).to(tl.float32)
     sin = tl.load(Cos_sin + pos * stride_cs + HALF + halves, mask=half_ok, other=0.0).to(tl.float32)
+    # The step's positions and the cos/sin table predate the kernel before (the QKV projection): read before the
+    # wait, q/k/v after it.
+    wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
+    let_next_kernel_start(PDL)
 
     q1, q2, q3, q_ok = _norm_and_rotate(
         Q + token * stride_qt,

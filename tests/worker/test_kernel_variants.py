@@ -241,6 +241,7 @@ def test_keys_follow_triton_rules_and_ignore_batch_metadata():
                 BLOCK_D=16,
                 BLOCK_N=32,
                 DOT_PRECISION="ieee",
+                PREFETCH=False,
                 PDL=False,
                 num_warps=4,
                 num_stages=1,

@@ -201,3 +201,43 @@ def test_gpu_decode_layer_launches_at_most_9_kernels():
     print("fused:", fused, "unfused:", unfused, sep="\n")
     assert len(fused) <= 9, fused
     assert len(unfused) > len(fused)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_prefetch_before_the_wait_changes_nothing():
+    # The decode kernel reads its bounds and asks L2 for its first K/V block before its PDL wait; with the prefetch
+    # off it reads the same rows after. Same programs, same sums: the outputs are bitwise equal, in a batch whose
+    # contexts end mid-block, span many splits and start empty splits (a context shorter than the split count).
+    import kernels
+    from kernels import triton_attention
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    seq_lens = [1, 37, 700, 4099, 64]
+    num_slots = sum(seq_lens) + 16
+    q = torch.randn(len(seq_lens), 32, 128, device="cuda", generator=g).to(torch.bfloat16)
+    k_cache = torch.randn(num_slots, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
+    v_cache = torch.randn(num_slots, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
+    table = torch.randperm(num_slots, device="cuda", generator=g)[: len(seq_lens) * max(seq_lens)]
+    table = table.remainder(num_slots).to(torch.int32).view(len(seq_lens), -1)
+    args = (
+        table,
+        torch.arange(len(seq_lens), device="cuda", dtype=torch.int32),
+        torch.tensor(seq_lens, device="cuda", dtype=torch.int32),
+        128**-0.5,
+        max(seq_lens),
+    )
+    outs = []
+    previous = dict(kernels.OPTIONS)
+    try:
+        for prefetch in (True, False):
+            kernels.configure(pdl_prefetch=prefetch)
+            assert triton_attention.prefetches_kv(k_cache, v_cache) == (
+                prefetch and kernels.OPTIONS["pdl"] and torch.cuda.get_device_capability()[0] >= 9
+            )
+            o = torch.full_like(q, float("nan"))
+            triton_attention.decode_attention(q, k_cache, v_cache, o, *args, num_kv_splits=16)
+            outs.append(o)
+    finally:
+        kernels.configure(**previous)
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
