@@ -217,8 +217,8 @@ def test_gpu_decode_prefetch_before_the_wait_changes_nothing():
     q = torch.randn(len(seq_lens), 32, 128, device="cuda", generator=g).to(torch.bfloat16)
     k_cache = torch.randn(num_slots, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
     v_cache = torch.randn(num_slots, 8, 128, device="cuda", generator=g).to(torch.bfloat16)
-    table = torch.randperm(num_slots, device="cuda", generator=g)[: len(seq_lens) * max(seq_lens)]
-    table = table.remainder(num_slots).to(torch.int32).view(len(seq_lens), -1)
+    table = torch.randint(0, num_slots, (len(seq_lens), max(seq_lens)), device="cuda", generator=g)
+    table = table.to(torch.int32)
     args = (
         table,
         torch.arange(len(seq_lens), device="cuda", dtype=torch.int32),
