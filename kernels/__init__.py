@@ -17,9 +17,9 @@ kernels/triton_mlp.py) and skinny_linear_max_rows (the other projections by one 
 many rows, instead of cuBLAS; 0: never: kernels/triton_skinny_linear.py) and pdl (programmatic dependent launch on
 Hopper and later: a kernel starts beside the one before it and waits for it only where it reads its output;
 kernels/triton_common.py) and pdl_prefetch (under pdl, the plain decode kernel asks L2 for its first K/V block
-before it waits: triton_attention.prefetches_kv) and extend_key_splits (an extend whose grid is too small for the device, a lone cache
-hit's, splits its keys over programs and merges them: kernels/triton_attention.py extend_num_splits). The torch twins
-compute the same functions whatever the options.
+before it waits: triton_attention.prefetches_kv) and extend_key_splits (an extend whose grid is too small for the
+device, a lone cache hit's, splits its keys over programs and merges them: kernels/triton_attention.py
+extend_num_splits). The torch twins compute the same functions whatever the options.
 """
 
 import os

@@ -79,13 +79,13 @@ def _decode_split_kernel(
         # [tokens, 2]: each token's K row, then its V row: one prefetch per thread, where a [tokens] vector of
         # pointers would repeat in every warp.
         kv = tl.arange(0, 2)[None, :]
-        rows = tl.where(
+        kv_rows = tl.where(
             kv == 0,
             K_cache + kv_head * stride_kh + first_slots[:, None] * stride_kn,
             V_cache + kv_head * stride_vh + first_slots[:, None] * stride_vn,
         )
         row_bytes: tl.constexpr = HEAD_DIM * K_cache.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_to_l2(rows, tl.full([BLOCK_N, 2], row_bytes, tl.int32))
+        prefetch_to_l2(kv_rows, tl.full([BLOCK_N, 2], row_bytes, tl.int32))
     wait_for_prior_kernel(PDL)
     let_next_kernel_start(PDL)
 

@@ -211,7 +211,8 @@ def uses_pdl(device, kind: str) -> bool:
 
 def prefetches(device, kind: str) -> bool:
     """Whether a kernel of this kind prefetches what it can before its PDL wait: it launches with PDL (otherwise
-    nothing runs before it to hide behind) and kernels.OPTIONS["pdl_prefetch"] is on (--disable-pdl-prefetch)."""
+    nothing runs before it to hide behind) and kernels.OPTIONS["pdl_prefetch"] is on (RADIXSERVE_KERNEL_OPTIONS=
+    pdl_prefetch=0 turns it off)."""
     return bool(kernels.OPTIONS["pdl_prefetch"]) and uses_pdl(device, kind)
 
 
