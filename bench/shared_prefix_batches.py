@@ -139,16 +139,12 @@ def own_bytes(b):
     return int((b["seq_lens"] - b["req_suffix_start"]).sum()) * per_token
 
 
-def graph_padded(b, context_len, num_groups):
-    """The batch as a decode CUDA graph sees it (radixserve/worker/cuda_graph.py): the group table padded to
-    num_groups empty groups, the bounds fixed at the context length and the batch size, and the split kernels'
-    slices per prefix chosen from the real groups (as forward_context.pack_decode_groups does) under the graph's
-    bound."""
+def step_slices(b):
+    """The slices per prefix that the split kernels cut this batch's real groups into (the host's choice for a step)."""
     from kernels import shared_prefix_attention
 
-    real_groups = b["group_prefix_lens"].shape[0]
-    slices = shared_prefix_attention.prefix_slices(
-        real_groups,
+    return shared_prefix_attention.prefix_slices(
+        b["group_prefix_lens"].shape[0],
         b["max_group_size"],
         b["max_prefix_len"],
         b["q"].shape[1],
@@ -156,6 +152,16 @@ def graph_padded(b, context_len, num_groups):
         b["q"].dtype,
         b["q"].device,
     )
+
+
+def graph_padded(b, context_len, num_groups):
+    """The batch as a decode CUDA graph sees it (radixserve/worker/cuda_graph.py): the group table padded to
+    num_groups empty groups, the bounds fixed at the context length and the batch size, and the split kernels'
+    slices per prefix chosen from the real groups (as forward_context.pack_decode_groups does) under the graph's
+    bound."""
+    from kernels import shared_prefix_attention
+
+    slices = step_slices(b)
     slicing = dict(
         num_prefix_splits=shared_prefix_attention.prefix_slices_bound(context_len),
         prefix_splits=torch.tensor([slices], dtype=torch.int32, device=b["q"].device),

@@ -15,8 +15,9 @@ Bandwidth: on the W1 geometry (8 prefixes of 1,024 tokens x 16 members, 128 own 
 torch profiler gives each kernel's time. A kernel's must-read bytes: each prefix once (prefix kernel), the own tokens
 (suffix kernel), both (one launch), every context (plain kernels; their share can pass 100% as members' shared
 prefix rows come from L2). "padded": the group table and bounds as a decode CUDA graph passes them (bs // 2 groups,
-the context length, the batch size), which is what serving runs. The checks are in
-bench/shared_prefix_kernel_checks.py.
+the context length, the batch size), which is what serving runs. A last row per shape and geometry gives the read-only
+floor of the prefix and suffix gathers (bench/kv_read_floor.py): the share no kernel reading them so can pass. The
+checks are in bench/shared_prefix_kernel_checks.py.
 """
 
 import argparse
@@ -42,6 +43,7 @@ from bench.shared_prefix_batches import (  # noqa: E402,F401
     rel_err,
     run_grouped,
     run_plain,
+    step_slices,
 )
 from bench.shared_prefix_kernel_checks import DEVICE, run_checks  # noqa: E402
 
@@ -140,9 +142,26 @@ def bandwidth(shapes, geometries, layers, copy_bw, lines, paths=None):
             )
             lines.append(f"| {shape} | {geo} | {label} | {per_layer * 1e6:.1f} | {detail} |")
             print(f"{shape:<11} {geo:<4} {label:<30} {per_layer * 1e6:8.1f} us/layer   {detail}", flush=True)
+        if not paths:
+            floor = floors(copies, copy_bw)
+            lines.append(f"| {shape} | {geo} | read-only floor (bench/kv_read_floor.py) | - | {floor} |")
+            print(f"{shape:<11} {geo:<4} {'read-only floor':<30} {floor}", flush=True)
         del b, copies
         torch.cuda.empty_cache()
     return results
+
+
+def floors(copies, copy_bw):
+    """The read-only floor of the prefix kernel's gathers (sliced as a decode graph slices them) and of the suffix
+    kernel's: what no kernel reading them so can beat (bench/kv_read_floor.py), with its share of the copy bandwidth."""
+    from bench.kv_read_floor import floor_seconds
+
+    b = copies[0]
+    out = []
+    for which, must, n in (("prefix", prefix_bytes(b), step_slices(b)), ("suffix", own_bytes(b), 1)):
+        seconds, config = floor_seconds(copies, which, n)
+        out.append(f"{which} gathers {seconds * 1e6:.1f} ({must / seconds / copy_bw:.0%}) at {config}")
+    return "; ".join(out)
 
 
 def sweep(shape, geometry, layers, copy_bw, lines):
@@ -234,12 +253,12 @@ def main():
     started = time.time()
     if not args.no_checks:
         # The last split case: the step's slice count (3) as the group table carries it, below the grid's bound (8).
-        step_slices = torch.tensor([3], dtype=torch.int32, device=DEVICE[0])
+        three_slices = torch.tensor([3], dtype=torch.int32, device=DEVICE[0])
         paths = {
             shared_prefix_attention: [
                 dict(num_suffix_splits=3, num_prefix_splits=4),
                 dict(num_suffix_splits=1, num_prefix_splits=3, fuse_merge=False),
-                dict(num_suffix_splits=1, num_prefix_splits=8, prefix_splits=step_slices),
+                dict(num_suffix_splits=1, num_prefix_splits=8, prefix_splits=three_slices),
             ],
             one_launch_decode: [
                 dict(num_suffix_splits=3, prefix_programs=3, policy=dict(slice_tokens=16, max_slices=3)),
