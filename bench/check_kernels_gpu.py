@@ -3,7 +3,7 @@
     python -m bench.check_kernels_gpu                       # full set on the GPU (lengths up to 4,100, batch up to 256)
     python -m bench.check_kernels_gpu --out bench/results/kernels-check-h100.md
     python -m bench.check_kernels_gpu --interpret --small   # CPU, TRITON_INTERPRET=1 (what CI runs)
-    python -m bench.check_kernels_gpu --only-fused          # GPU: decode one launch, Q/K prep, gate/up + SiLU
+    python -m bench.check_kernels_gpu --only-fused          # GPU: decode one launch, Q/K prep, projections, norms
 
 Every case draws fresh random inputs (never zeros), scatters the KV slots at random over a cache
 larger than needed, fills the unused part of req_to_token with plausible-but-wrong slots, and
@@ -16,16 +16,16 @@ import os
 import sys
 import time
 
+from bench.check_projection_kernels import TOLERANCE, ProjectionChecks
 from bench.kernel_check_cases import run_fused, run_full, run_small
 from bench.paged_batch import make_paged_batch, rel_err
 from bench.run_record import command_line
 
 
-TOLERANCE = {"bfloat16": 2e-2, "float16": 1e-2, "float32": 1e-4}
 ELEMENTWISE_TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3, "float32": 1e-5}
 
 
-class Checker:
+class Checker(ProjectionChecks):
     def __init__(self, torch, ref, tri, device):
         self.torch, self.ref, self.tri, self.device = torch, ref, tri, device
         self.rows = []
@@ -150,48 +150,6 @@ class Checker:
             f"{'q/k norm, ' if norm else ''}rotary_dim {rotary_dim}, strided views",
             err,
             tol,
-        )
-
-    def gate_up(self, dtype, rows, hidden, inter, g, config=None):
-        """kernels/triton_mlp.py against its twin (the projection, then SiLU-and-mul)."""
-        from kernels import triton_mlp
-
-        torch = self.torch
-        dev_gen = torch.Generator(device=self.device)  # model-sized weights: drawn where they live
-        dev_gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
-        x = (torch.randn(rows, hidden, generator=dev_gen, device=self.device) / hidden**0.25).to(dtype)
-        w = (torch.randn(2 * inter, hidden, generator=dev_gen, device=self.device) / hidden**0.25).to(dtype)
-        ref = self.ref.silu_and_mul(torch.nn.functional.linear(x.float(), w.float()))
-        out = triton_mlp.gate_up_silu(x, w, config)
-        self.record(
-            "gate_up_silu",
-            dtype,
-            f"M{rows} H{hidden} I{inter}",
-            "vs fp32 projection + silu_and_mul",
-            rel_err(torch, out, ref),
-            TOLERANCE[str(dtype).replace("torch.", "")],
-        )
-
-    def skinny(self, dtype, rows, n, k, g, splits=None):
-        """kernels/triton_skinny_linear.py against an fp32 projection; twice, to show the split counters reset."""
-        from kernels import triton_skinny_linear
-
-        torch = self.torch
-        dev_gen = torch.Generator(device=self.device)
-        dev_gen.manual_seed(int(torch.randint(0, 2**62, (1,), generator=g)))
-        x = (torch.randn(rows, k, generator=dev_gen, device=self.device) / k**0.25).to(dtype)
-        w = (torch.randn(n, k, generator=dev_gen, device=self.device) / k**0.25).to(dtype)
-        ref = torch.nn.functional.linear(x.float(), w.float())
-        first = triton_skinny_linear.skinny_linear(x, w, splits=splits)
-        second = triton_skinny_linear.skinny_linear(x, w, splits=splits)
-        err = rel_err(torch, first, ref) if torch.equal(first, second) else float("inf")  # deterministic, reset
-        self.record(
-            "skinny_linear",
-            dtype,
-            f"M{rows} N{n} K{k}",
-            f"splits {splits or 'auto'} vs fp32 projection",
-            err,
-            TOLERANCE[str(dtype).replace("torch.", "")],
         )
 
     def store_kv(self, dtype, n, hkv, d, g, index_dtype):

@@ -41,6 +41,9 @@ def run_small(check, torch, g, ew):
         check.skinny(dtype, 1, 40, 128, g, splits=1)  # K in whole BLOCK_K steps of the GPU's 16-bit tile (128)
         check.skinny(dtype, 16, 33, 256, g, splits=2)  # ragged columns, every row of the tile
     check.skinny(torch.float32, 5, 64, 256, g)  # the split count the kernel picks
+    for dtype in (torch.float32, torch.float16):  # 640 wide: 20 or 40 producer column blocks, not a power of two
+        check.norm_in_projections(dtype, 3, 128, 640, 48, 40, g, splits=1)
+        check.norm_in_projections(dtype, 16, 256, 640, 48, 40, g, splits=2)  # split-K: the last program's epilogue
     check.decode_one_launch(torch.float32, 4, 2, 32, [1, 83, 40, 17], "ragged lengths incl. 1", g, num_kv_splits=3)
     check.decode_one_launch(torch.float16, 8, 2, 32, [100, 3, 64], "more splits than blocks", g, num_kv_splits=8)
     check.decode_one_launch(torch.float32, 7, 1, 16, [300, 50, 1], "automatic split count, GQA 7", g)
@@ -108,6 +111,8 @@ def run_fused(check, torch, g):
         for rows in (1, 7, 16):
             for n, k in [(6144, 4096), (4096, 4096), (4096, 12288), (4096, 1024), (1024, 2048), (1024, 3072)]:
                 check.skinny(dtype, rows, n, k, g)  # the projections of Qwen3-8B and -0.6B
+            check.norm_in_projections(dtype, rows, 4096, 4096, 6144, 12288, g)  # Qwen3-8B
+            check.norm_in_projections(dtype, rows, 2048, 1024, 4096, 3072, g)  # Qwen3-0.6B
         for hq, hkv in [(32, 32), (32, 8), (16, 8), (32, 4)]:
             check.decode_one_launch(
                 dtype, hq, hkv, 128, [rnd.randint(1, 4100) for _ in range(7)] + [1], "8 random <=4100", g

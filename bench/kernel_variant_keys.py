@@ -215,6 +215,7 @@ class KernelVariants:
         return self
 
     def _shadow_dispatch(self) -> None:
+        import torch
         import torch.nn.functional as F
 
         import kernels
@@ -223,13 +224,24 @@ class KernelVariants:
             reference,
             shared_prefix_attention,
             triton_attention,
+            triton_common,
             triton_elementwise,
             triton_mlp,
             triton_qkv,
             triton_skinny_linear,
         )
 
-        twins = {"skinny_linear": lambda x, weight: F.linear(x, weight)}  # ops kernels/reference.py has no twin of
+        def skinny_twin(x, weight, squares=None, eps=0.0, residual=None):
+            if residual is None:
+                return F.linear(x if squares is None else reference.scale_rows(x, squares, eps), weight)
+            h, sums = reference.linear_add(x, weight, residual)
+            # As many sums as the kernel writes (one per column block): the next projection's variant key holds it.
+            blocks = triton_skinny_linear.triton.cdiv(
+                weight.shape[0], triton_skinny_linear.skinny_config(x.dtype, x.device)["BLOCK_N"]
+            )
+            return h, torch.cat([sums, sums.new_zeros(sums.shape[0], blocks - 1)], dim=1)
+
+        twins = {"skinny_linear": skinny_twin}  # ops kernels/reference.py has no twin of
 
         class Shadow:
             """Each op: the Triton wrapper (its launches recorded, not run), then the torch twin (the result)."""
@@ -238,8 +250,8 @@ class KernelVariants:
                 self.module = module
 
             def __getattr__(self, name):
-                if name == "skinny_supports":  # a question, not an op
-                    return triton_skinny_linear.supports
+                if name in ("skinny_supports", "launches_with_pdl"):  # questions, not ops
+                    return getattr(fused, name)
 
                 def op(*args, **kwargs):
                     getattr(self.module, name)(*args, **kwargs)
@@ -262,6 +274,10 @@ class KernelVariants:
                 "qk_norm_rope_store": staticmethod(triton_qkv.qk_norm_rope_store),
                 "gate_up_silu": staticmethod(triton_mlp.gate_up_silu),
                 "skinny_linear": staticmethod(triton_skinny_linear.skinny_linear),
+                "skinny_supports": staticmethod(triton_skinny_linear.supports),
+                "launches_with_pdl": staticmethod(
+                    lambda w: triton_common.uses_pdl(w.device, triton_common.linear_kind(w))
+                ),
             },
         )
         self._set(kernels, "_fused_impl", lambda t: Shadow(fused))

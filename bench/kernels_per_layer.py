@@ -47,6 +47,7 @@ OPTION_SETS = {
     "serving's defaults (+ skinny projections)": (dict(one_launch_decode=0), True),
     "serving's defaults, PDL off": (dict(one_launch_decode=0, pdl=0), True),
     "serving's defaults, no prefetch": (dict(one_launch_decode=0, pdl_prefetch=0), True),
+    "serving's defaults, norms apart": (dict(one_launch_decode=0, norms_in_projections=0), True),
 }
 BATCHES = {"bs1": (1, 0, 1024), "bs16": (16, 0, 1024), "W1": (128, 1024, 128)}  # requests, shared prefix, own
 CONTEXT_LEN = 40960
@@ -66,6 +67,7 @@ def build_model(config: str, num_layers: int | None = None, device="cuda", dtype
     finally:
         torch.set_default_dtype(old)
     load_dummy(model, 0)
+    model.fold_norm_weights()  # as the model runner does: the norms' weights in the projections after them
     return model.eval(), cfg
 
 
@@ -142,17 +144,16 @@ def decode_step(model, cfg, requests: int, shared: int, own: int, seed=0, device
 
 
 def layer_kernels(model, cfg, ctx, requests: int) -> list[str]:
-    """The device kernels one call of decoder layer 1 launches (a layer with a residual to add, as all but the
-    first has)."""
+    """The device kernels one call of decoder layer 1 launches, fed what layer 0 gives it (a residual to add, or with
+    the norms in the projections a norm left to the QKV kernel), as every layer but the first is."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     hidden = torch.randn(requests, cfg.hidden_size, generator=gen, device="cuda", dtype=torch.bfloat16)
-    residual = torch.randn_like(hidden)
     positions = torch.full((requests,), 5, dtype=torch.int64, device="cuda")
-    layer = model.model.layers[1]
     set_forward_context(ctx)
     try:
         with torch.inference_mode():
-            return launched_kernels(lambda: layer(positions, hidden, residual))
+            hidden, residual = model.model.layers[0](positions, hidden, None)
+            return launched_kernels(lambda: model.model.layers[1](positions, hidden, residual))
     finally:
         set_forward_context(None)
 

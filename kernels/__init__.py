@@ -19,7 +19,9 @@ Hopper and later: a kernel starts beside the one before it and waits for it only
 kernels/triton_common.py) and pdl_prefetch (under pdl, the plain decode kernel asks L2 for its first K/V block
 before it waits: triton_attention.prefetches_kv) and extend_key_splits (an extend whose grid is too small for the
 device, a lone cache hit's, splits its keys over programs and merges them: kernels/triton_attention.py
-extend_num_splits). The torch twins compute the same functions whatever the options.
+extend_num_splits) and norms_in_projections (at decode-sized batches each layer's two RMSNorms run inside the
+projections after them, the residual add and the sums of squares in the epilogue of the ones before: fuses_norms,
+models/llama.py). The torch twins compute the same functions whatever the options.
 """
 
 import os
@@ -58,6 +60,7 @@ OPTIONS = {
     "pdl": True,
     "pdl_prefetch": True,
     "extend_key_splits": True,
+    "norms_in_projections": True,
 }
 
 
@@ -229,48 +232,14 @@ def decode_attention_grouped(
     step's count of slices per prefix, at most max_prefix_splits (a host int: the grid's): the group table's
     (forward_context.pack_decode_groups). See kernels/shared_prefix_attention.py.
     """
+    args = (q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, group_prefix_lens, group_prefix_rows)
+    args += (group_member_start, group_members, req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len)
     one_launch = _decode_impl(q)
     if one_launch is not None:  # the one-launch kernel and the twin slice the prefixes themselves
-        one_launch.decode_attention_grouped(
-            q,
-            k_cache,
-            v_cache,
-            o,
-            req_to_token,
-            req_pool_indices,
-            seq_lens,
-            group_prefix_lens,
-            group_prefix_rows,
-            group_member_start,
-            group_members,
-            req_group,
-            req_suffix_start,
-            sm_scale,
-            max_seq_len,
-            max_prefix_len,
-            max_group_size,
-        )
+        one_launch.decode_attention_grouped(*args, max_group_size)
         return
     _shared_prefix_impl(q).decode_attention_grouped(
-        q,
-        k_cache,
-        v_cache,
-        o,
-        req_to_token,
-        req_pool_indices,
-        seq_lens,
-        group_prefix_lens,
-        group_prefix_rows,
-        group_member_start,
-        group_members,
-        req_group,
-        req_suffix_start,
-        sm_scale,
-        max_seq_len,
-        max_prefix_len,
-        max_group_size,
-        num_prefix_splits=max_prefix_splits,
-        prefix_splits=prefix_splits,
+        *args, max_group_size, num_prefix_splits=max_prefix_splits, prefix_splits=prefix_splits
     )
 
 
@@ -314,13 +283,14 @@ def _fused_impl(tensor):
     if _use_reference(tensor):
         return reference
     if _fused_ops is None:
-        from kernels import triton_mlp, triton_qkv, triton_skinny_linear
+        from kernels import triton_common, triton_mlp, triton_qkv, triton_skinny_linear
 
         _fused_ops = types.SimpleNamespace(
             qk_norm_rope_store=triton_qkv.qk_norm_rope_store,
             gate_up_silu=triton_mlp.gate_up_silu,
             skinny_linear=triton_skinny_linear.skinny_linear,
             skinny_supports=triton_skinny_linear.supports,
+            launches_with_pdl=lambda w: triton_common.uses_pdl(w.device, triton_common.linear_kind(w)),
         )
     return _fused_ops
 
@@ -349,25 +319,56 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, ep
     )  # the four kernels it replaces
 
 
-def gate_up_silu(x, weight):
+def gate_up_silu(x, weight, squares=None, eps=0.0):
     """silu(x @ weight[:I]^T) * (x @ weight[I:]^T) for the merged gate/up weight [2I, H]: the MLP's first half. One
-    kernel on the GPU up to OPTIONS["gate_up_silu_max_rows"] rows, else cuBLAS and silu_and_mul."""
+    kernel on the GPU up to OPTIONS["gate_up_silu_max_rows"] rows, else cuBLAS and silu_and_mul. squares (with eps):
+    x is first RMS-normalised without a weight, as linear() takes it."""
     if _use_reference(x) or x.numel() <= OPTIONS["gate_up_silu_max_rows"] * x.shape[-1]:
-        return _fused_impl(x).gate_up_silu(x, weight)
-    return silu_and_mul(F.linear(x, weight))
+        return _fused_impl(x).gate_up_silu(x, weight, squares=squares, eps=eps)
+    return silu_and_mul(F.linear(x if squares is None else reference.scale_rows(x, squares, eps), weight))
 
 
-def linear(x, weight, bias=None):
+def _skinny(x, weight) -> bool:
+    """Whether a projection of x takes the weight-streaming kernel (OPTIONS["skinny_linear_max_rows"], at most 16)."""
+    return (
+        not _use_reference(x)
+        and x.numel() <= min(16, OPTIONS["skinny_linear_max_rows"]) * x.shape[-1]
+        and _fused_impl(x).skinny_supports(weight)
+    )
+
+
+def linear(x, weight, bias=None, squares=None, eps=0.0):
     """x @ weight^T (+ bias) for a projection of the model: one weight-streaming kernel on the GPU up to
-    OPTIONS["skinny_linear_max_rows"] rows (at most 16) where the weight's shape allows, else cuBLAS."""
-    if (
-        _use_reference(x)
-        or x.numel() > min(16, OPTIONS["skinny_linear_max_rows"]) * x.shape[-1]
-        or not _fused_impl(x).skinny_supports(weight)
-    ):
-        return F.linear(x, weight, bias)
-    y = _fused_impl(x).skinny_linear(x, weight)
+    OPTIONS["skinny_linear_max_rows"] rows (at most 16) where the weight's shape allows, else cuBLAS. squares (with
+    eps): x is the residual stream, first RMS-normalised without a weight (the norm's weight is folded into this
+    one), from the row sums of squares that linear_add gave back; the skinny kernel scales its output rows instead."""
+    if not _skinny(x, weight):
+        return F.linear(x if squares is None else reference.scale_rows(x, squares, eps), weight, bias)
+    y = _fused_impl(x).skinny_linear(x, weight, squares=squares, eps=eps)
     return y if bias is None else y + bias
+
+
+def linear_add(x, weight, residual):
+    """(residual + x @ weight^T, that sum's row sums of squares [rows, blocks] in fp32, by column block): an output
+    projection with the residual add and the next RMSNorm's statistic in its epilogue (the skinny kernel where
+    linear() takes it, else its twin), so that the norm itself runs inside the next projection (fuses_norms)."""
+    if not _skinny(x, weight):
+        return reference.linear_add(x, weight, residual)
+    return _fused_impl(x).skinny_linear(x, weight, residual=residual)
+
+
+def fuses_norms(x, *weights) -> bool:
+    """Whether a step of x's rows runs its layers' RMSNorms inside the projections (OPTIONS["norms_in_projections"]):
+    on the GPU, up to as many rows as both the skinny and the gate/up kernels take, where the skinny kernel takes
+    each of these projection weights and none launches with PDL (models/llama.py)."""
+    rows = x.numel() // x.shape[-1]
+    limit = min(16, OPTIONS["skinny_linear_max_rows"], OPTIONS["gate_up_silu_max_rows"])
+    if not OPTIONS["norms_in_projections"] or _use_reference(x) or not 0 < rows <= limit:
+        return False
+    # Between projections that launch with PDL (weights up to 16 MB) a norm kernel's launch hides under theirs, and
+    # the epilogues cost more than it: H100, batch 1, Qwen3-0.6B 1.12-1.17 -> 1.18 ms a step; Qwen3-8B (no PDL on
+    # its projections) 6.33-6.36 -> 6.12-6.14 ms (bench/results/norms-in-projections-h100.md).
+    return all(_fused_impl(x).skinny_supports(w) and not _fused_impl(x).launches_with_pdl(w) for w in weights)
 
 
 __all__ = [
@@ -387,6 +388,8 @@ __all__ = [
     "qk_norm_rope_store",
     "gate_up_silu",
     "linear",
+    "linear_add",
+    "fuses_norms",
     "prefix_slices",
     "prefix_slices_bound",
 ]

@@ -147,10 +147,23 @@ def qk_norm_rope_store(
     ops.store_kv(k, v, k_cache, v_cache, out_cache_loc)
 
 
-def gate_up_silu(x, weight):
+def gate_up_silu(x, weight, squares=None, eps=0.0):
     """silu(x @ gate^T) * (x @ up^T) for weight = [gate; up] stacked by rows: the merged projection, then SiLU-and-mul,
-    exactly as the unfused MLP computed them."""
-    return silu_and_mul(F.linear(x, weight))
+    exactly as the unfused MLP computed them (after scale_rows, given squares)."""
+    return silu_and_mul(F.linear(x if squares is None else scale_rows(x, squares, eps), weight))
+
+
+def scale_rows(x, squares, eps):
+    """rmsnorm(x) with a weight of 1, from its rows' sums of squares split by column block (squares [rows, blocks],
+    fp32, as linear_add gives them back): the norm a projection whose weight holds the norm's runs on its input."""
+    inv_rms = torch.rsqrt(squares.sum(-1, keepdim=True) / x.shape[-1] + eps)
+    return (x.float() * inv_rms.view(*x.shape[:-1], 1)).to(x.dtype)
+
+
+def linear_add(x, weight, residual):
+    """(residual + x @ weight^T, its row sums of squares [rows, 1] in fp32): rounded as F.linear and `+` round."""
+    h = F.linear(x, weight) + residual
+    return h, h.float().pow(2).sum(-1).reshape(-1, 1)
 
 
 def _attend_with_lse(q, keys, values, valid, sm_scale):

@@ -37,6 +37,16 @@ def jit(do_not_specialize=(), unaligned=()):
     return triton.jit(**kwargs)
 
 
+@triton.jit
+def rows_inv_rms(Squares, offs_m, m_ok, eps, K: tl.constexpr, BLOCKS: tl.constexpr, BLOCKS_P2: tl.constexpr):
+    """1 / rms of each row of x [rows, K] from its partial sums of squares Squares [rows, BLOCKS] (fp32, one per
+    column block of the projection that wrote x: kernels.linear_add), summed in block order."""
+    blocks = tl.arange(0, BLOCKS_P2)
+    ok = m_ok[:, None] & (blocks < BLOCKS)[None, :]
+    squares = tl.load(Squares + offs_m[:, None] * BLOCKS + blocks[None, :], mask=ok, other=0.0)
+    return tl.rsqrt(tl.sum(squares, 1) / K + eps)
+
+
 def dot_precision(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 

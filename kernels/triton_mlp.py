@@ -18,6 +18,7 @@ from kernels.triton_common import (
     let_next_kernel_start,
     linear_kind,
     pdl_args,
+    rows_inv_rms,
     wait_for_prior_kernel,
 )
 
@@ -27,7 +28,9 @@ def _gate_up_silu_kernel(
     X,
     W,
     Out,
+    Squares,
     rows,
+    eps,
     stride_xm,
     stride_wn,
     stride_om,
@@ -37,6 +40,8 @@ def _gate_up_silu_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NORM_BLOCKS: tl.constexpr,
+    NORM_BLOCKS_P2: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
@@ -52,6 +57,10 @@ def _gate_up_silu_kernel(
     x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     gate_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + INTER * stride_wn
+    inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM_BLOCKS > 0:  # x is the un-normalised residual stream: rmsnorm(x) W^T = (x W^T) / rms(x), weight in W
+        # Read before the weight stream so that the load's latency hides under it.
+        inv_rms = rows_inv_rms(Squares, offs_m, m_ok, eps, HIDDEN, NORM_BLOCKS, NORM_BLOCKS_P2)
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
@@ -69,6 +78,9 @@ def _gate_up_silu_kernel(
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+    if NORM_BLOCKS > 0:
+        acc_gate = acc_gate * inv_rms[:, None]
+        acc_up = acc_up * inv_rms[:, None]
     # Rounded to the storage dtype as the unfused projection's output is, so that SiLU-and-mul sees the same inputs.
     gate = acc_gate.to(Out.dtype.element_ty).to(tl.float32)
     up = acc_up.to(Out.dtype.element_ty).to(tl.float32)
@@ -95,8 +107,9 @@ def gate_up_config(dtype, device):
     return GATE_UP_CONFIG["fp32" if dtype == torch.float32 else "16bit"]
 
 
-def gate_up_silu(x, weight, config=None):
-    """[..., H] x [2I, H] -> [..., I] in one kernel."""
+def gate_up_silu(x, weight, config=None, squares=None, eps=0.0):
+    """[..., H] x [2I, H] -> [..., I] in one kernel. squares (with eps): x is the un-normalised residual stream, the
+    projection's input is rmsnorm(x) (weight folded into W; as kernels/triton_skinny_linear.skinny_linear takes it)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -111,7 +124,9 @@ def gate_up_silu(x, weight, config=None):
             x2,
             weight,
             out,
+            out if squares is None else squares,
             rows,
+            eps,
             x2.stride(0),
             weight.stride(0),
             out.stride(0),
@@ -121,6 +136,8 @@ def gate_up_silu(x, weight, config=None):
             BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"],
             DOT_PRECISION=dot_precision(x.dtype),
+            NORM_BLOCKS=0 if squares is None else squares.shape[1],
+            NORM_BLOCKS_P2=triton.next_power_of_2(1 if squares is None else squares.shape[1]),
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
             **pdl_args(x.device, linear_kind(weight)),

@@ -21,6 +21,7 @@ from kernels.triton_common import (
     let_next_kernel_start,
     linear_kind,
     pdl_args,
+    rows_inv_rms,
     sm_count,
     wait_for_prior_kernel,
     zeroed_counters,
@@ -34,10 +35,15 @@ def _skinny_linear_kernel(
     Out,
     Partials,
     Counters,
+    Squares_in,
+    Residual,
+    Squares_out,
     rows,
+    eps,
     stride_xm,
     stride_wn,
     stride_om,
+    stride_rm,
     N: tl.constexpr,
     K: tl.constexpr,
     SPLITS: tl.constexpr,
@@ -45,6 +51,9 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NORM_BLOCKS: tl.constexpr,
+    NORM_BLOCKS_P2: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
@@ -57,6 +66,15 @@ def _skinny_linear_kernel(
     offs_k = split * K_PER_SPLIT + tl.arange(0, BLOCK_K)
     m_ok = offs_m < rows
     n_ok = offs_n < N
+    out_mask = m_ok[:, None] & n_ok[None, :]
+    # The epilogue's inputs, read before the weight stream so that their latency hides under it.
+    inv_rms = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM_BLOCKS > 0:  # x is the un-normalised residual stream: rmsnorm(x) W^T = (x W^T) / rms(x), weight in W
+        inv_rms = rows_inv_rms(Squares_in, offs_m, m_ok, eps, K, NORM_BLOCKS, NORM_BLOCKS_P2)
+    res = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if ADD_RESIDUAL:
+        res = tl.load(Residual + offs_m[:, None].to(tl.int64) * stride_rm + offs_n[None, :], mask=out_mask, other=0.0)
+        res = res.to(tl.float32)
     x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -67,9 +85,9 @@ def _skinny_linear_kernel(
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-    out_mask = m_ok[:, None] & n_ok[None, :]
+    squares_ptrs = Squares_out + offs_m * tl.num_programs(0) + pid_n
     if SPLITS == 1:
-        tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=out_mask)
+        _finish(acc, inv_rms, res, out_ptrs, squares_ptrs, m_ok, out_mask, NORM_BLOCKS > 0, ADD_RESIDUAL)
     else:
         tile = offs_m[:, None] * N + offs_n[None, :]
         tl.store(Partials + split * BLOCK_M * N + tile, acc, mask=out_mask)
@@ -79,8 +97,22 @@ def _skinny_linear_kernel(
             total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             for s in range(0, SPLITS):  # split order, whoever arrives last: the same sum every time
                 total += tl.load(Partials + s * BLOCK_M * N + tile, mask=out_mask, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=out_mask)
+            _finish(total, inv_rms, res, out_ptrs, squares_ptrs, m_ok, out_mask, NORM_BLOCKS > 0, ADD_RESIDUAL)
             tl.atomic_xchg(Counters + pid_n, 0)
+
+
+@triton.jit
+def _finish(y, inv_rms, res, out_ptrs, squares_ptrs, m_ok, out_mask, NORM: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+    """y (fp32, the tile's x W^T) stored: scaled first by each row's 1/rms when x was the un-normalised residual
+    stream (NORM), or added to the residual (res), with the stored rows' sums of squares for the next projection."""
+    if NORM:
+        y = y * inv_rms[:, None]
+    y = y.to(out_ptrs.dtype.element_ty)
+    if ADD_RESIDUAL:  # rounded as the unfused projection's output and `+ residual` are, so the stream is the same
+        y = (y.to(tl.float32) + res).to(out_ptrs.dtype.element_ty)
+        yf = tl.where(out_mask, y.to(tl.float32), 0.0)
+        tl.store(squares_ptrs, tl.sum(yf * yf, 1), mask=m_ok)
+    tl.store(out_ptrs, y, mask=out_mask)
 
 
 # From the sweep of bench/skinny_linear_bench.py --sweep on an H100 (bench/results/skinny-linear-h100.md): narrow
@@ -116,8 +148,11 @@ def supports(weight) -> bool:
     return weight.stride(1) == 1 and weight.shape[1] % cfg["BLOCK_K"] == 0
 
 
-def skinny_linear(x, weight, config=None, splits=None):
-    """[..., K] x [N, K] -> [..., N] for at most BLOCK_M (16) rows, in one kernel."""
+def skinny_linear(x, weight, config=None, splits=None, squares=None, eps=0.0, residual=None):
+    """[..., K] x [N, K] -> [..., N] for at most BLOCK_M (16) rows, in one kernel. squares (with eps): x is the
+    un-normalised residual stream and the result is rmsnorm(x) W^T, the norm's weight folded into W (squares: the
+    row sums of squares by column block that the projection which wrote x gave back). residual: returns
+    (residual + x W^T, its row sums of squares [rows, column blocks], fp32) instead."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if x2.stride(-1) != 1:
@@ -128,22 +163,33 @@ def skinny_linear(x, weight, config=None, splits=None):
     assert rows <= cfg["BLOCK_M"] and weight.shape[1] == k and weight.stride(1) == 1
     assert k % cfg["BLOCK_K"] == 0, "K must be a whole number of BLOCK_K steps (kernels.skinny_linear checks)"
     out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    column_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    squares_out = None
+    if residual is not None:
+        residual = residual.reshape(rows, n)
+        assert residual.stride(-1) == 1
+        squares_out = torch.empty((rows, column_blocks), dtype=torch.float32, device=x.device)
     if rows:
-        column_blocks = triton.cdiv(n, cfg["BLOCK_N"])
         splits = splits or num_splits(n, k, cfg, x.device)
         partials = torch.empty(
             (splits, cfg["BLOCK_M"], n) if splits > 1 else (1,), dtype=torch.float32, device=x.device
         )
+        norm_blocks = 0 if squares is None else squares.shape[1]
         _skinny_linear_kernel[(column_blocks, splits)](
             x2,
             weight,
             out,
             partials,
             zeroed_counters(x.device, column_blocks),
+            out if squares is None else squares,
+            out if residual is None else residual,
+            out if squares_out is None else squares_out,
             rows,
+            eps,
             x2.stride(0),
             weight.stride(0),
             out.stride(0),
+            0 if residual is None else residual.stride(0),
             N=n,
             K=k,
             SPLITS=splits,
@@ -151,8 +197,12 @@ def skinny_linear(x, weight, config=None, splits=None):
             BLOCK_N=cfg["BLOCK_N"],
             BLOCK_K=cfg["BLOCK_K"],
             DOT_PRECISION=dot_precision(x.dtype),
+            NORM_BLOCKS=norm_blocks,
+            NORM_BLOCKS_P2=triton.next_power_of_2(max(1, norm_blocks)),
+            ADD_RESIDUAL=residual is not None,
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"],
             **pdl_args(x.device, linear_kind(weight)),
         )
-    return out.view(*shape[:-1], n)
+    out = out.view(*shape[:-1], n)
+    return out if residual is None else (out, squares_out)

@@ -204,8 +204,8 @@ class ServerArgs:
     # 3.82 -> 3.26 ms; Qwen3-8B 6.95 -> 6.52 and 10.11 -> 9.30 ms: bench/results/kernels-h100-2026-11-24b/).
     disable_fused_layer_kernels: bool = _flag(
         False,
-        "Run Q/K norms, RoPE and the KV store as four kernels instead of "
-        "one, and the gate/up projection and SiLU-and-mul as two.",
+        "Run Q/K norms, RoPE and the KV store as four kernels instead of one, the gate/up projection and "
+        "SiLU-and-mul as two, and each decode layer's RMSNorms apart from the projections after them.",
     )
     gate_up_silu_max_rows: int = _flag(
         16,

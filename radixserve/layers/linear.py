@@ -9,6 +9,7 @@ from torch import nn
 import kernels
 
 from radixserve.runtime.distributed import all_reduce, get_tp_rank, get_tp_size
+from radixserve.layers.norm import Normed
 from radixserve.loader import copy_whole_tensor
 
 
@@ -60,7 +61,9 @@ class ColumnParallelLinear(nn.Module):
             )
         copy_whole_tensor(param, loaded.narrow(0, self.tp_rank * n, n))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | Normed) -> torch.Tensor:
+        if isinstance(x, Normed):  # the norm runs in the projection's kernel
+            return kernels.linear(x.x, self.weight, self.bias, x.squares, x.eps)
         return kernels.linear(x, self.weight, self.bias)
 
 
@@ -139,3 +142,9 @@ class RowParallelLinear(nn.Module):
         y = all_reduce(kernels.linear(x, self.weight))
         # The bias is added after the reduction so that it counts once, not once per rank.
         return y if self.bias is None else y + self.bias
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + this projection of x, that sum's row sums of squares): the residual add and the next norm's
+        statistic in the projection's epilogue (kernels.linear_add). One rank and no bias only: an epilogue sees
+        the whole sum only there (LlamaForCausalLM.fold_norm_weights checks)."""
+        return kernels.linear_add(x, self.weight, residual)

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -16,3 +18,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         return kernels.rmsnorm(x, self.weight, self.eps, residual)
+
+
+class Normed(NamedTuple):
+    """rmsnorm(x), left to the projection that takes it (kernels.fuses_norms): x is the residual stream, squares its
+    rows' sums of squares by column block (kernels.linear_add wrote them with x), and the norm's weight is folded into
+    that projection's (LlamaForCausalLM.fold_norm_weights)."""
+
+    x: torch.Tensor
+    squares: torch.Tensor
+    eps: float

@@ -5,13 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import kernels
 from radixserve.model_config import ModelConfig
 from radixserve.runtime.distributed import get_tp_size
 from radixserve.layers.activation import gate_up_silu
 from radixserve.layers.attention import Attention
 from radixserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from radixserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from radixserve.layers.norm import RMSNorm
+from radixserve.layers.norm import Normed, RMSNorm
 from radixserve.layers.rotary import RotaryEmbedding
 
 
@@ -68,6 +69,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    norms_folded = False  # both norms' weights moved into the projections after them (fold_norm_weights)
+
     def __init__(self, config: ModelConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool):
         super().__init__()
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm)
@@ -81,6 +84,8 @@ class LlamaDecoderLayer(nn.Module):
     def before_attention(self, positions, hidden, residual):
         """Norm (with the residual add), Q/K/V, K/V stored: ((Q, K, V), the residual stream)."""
         # The residual stream is carried separately so each norm can fuse the residual add.
+        if isinstance(hidden, Normed):  # the layer before added the residual: the norm runs in the QKV kernel
+            return self.self_attn.query(positions, hidden), residual
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -88,10 +93,19 @@ class LlamaDecoderLayer(nn.Module):
             hidden, residual = self.input_layernorm(hidden, residual)
         return self.self_attn.query(positions, hidden), residual
 
-    def after_attention(self, o, residual):
-        """Output projection, norm (with the residual add) and MLP: (hidden, the residual stream)."""
-        hidden, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
-        return self.mlp(hidden), residual
+    def after_attention(self, o, residual, fuse_norms=True):
+        """Output projection, norm (with the residual add) and MLP: (hidden, the residual stream). At decode-sized
+        steps (kernels.fuses_norms) each norm runs inside the projection after it, its residual add and sums of
+        squares in the epilogue of the projection before: hidden is then Normed (the next layer's QKV, or the final
+        norm, takes it) and the layer launches two kernels fewer."""
+        o = o.reshape(-1, self.self_attn.q_size)
+        if not (fuse_norms and self.norms_folded and kernels.fuses_norms(o)):
+            hidden, residual = self.post_attention_layernorm(self.self_attn.output(o), residual)
+            return self.mlp(hidden), residual
+        residual, squares = self.self_attn.o_proj.add_to(o, residual)
+        x = gate_up_silu(Normed(residual, squares, self.post_attention_layernorm.eps), self.mlp.gate_up_proj.weight)
+        residual, squares = self.mlp.down_proj.add_to(x, residual)
+        return Normed(residual, squares, self.input_layernorm.eps), residual  # every layer's norms share one eps
 
     def forward(self, positions, hidden, residual):
         qkv, residual = self.before_attention(positions, hidden, residual)
@@ -111,8 +125,11 @@ class LlamaModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual)
-        hidden, _ = self.norm(hidden, residual)
-        return hidden
+        return self.final_norm(hidden, residual)
+
+    def final_norm(self, hidden, residual):
+        """The last norm, over hidden + residual (hidden Normed: the residual is already added, kernels.linear_add)."""
+        return self.norm(hidden.x) if isinstance(hidden, Normed) else self.norm(hidden, residual)[0]
 
     # The same forward cut at the attention kernels: piece(0) runs up to layer 0's attention, piece(i) from layer
     # i-1's attention output to layer i's, piece(num_layers) from the last attention output to the final norm.
@@ -124,7 +141,7 @@ class LlamaModel(nn.Module):
             return self.layers[0].before_attention(positions, self.embed_tokens(x), None)
         hidden, residual = self.layers[i - 1].after_attention(x, residual)
         if i == len(self.layers):
-            return self.norm(hidden, residual)[0], None
+            return self.final_norm(hidden, residual), None
         return self.layers[i].before_attention(positions, hidden, residual)
 
 
@@ -153,3 +170,23 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def fold_norm_weights(self) -> None:
+        """Moves each decoder layer's two RMSNorm weights into the projections after them (W[:, k] *= weight[k]; the
+        norms keep weights of 1), so that decode-sized steps can run the norms inside those projections' kernels
+        (kernels.fuses_norms). Only where that can run: its option on, the device's kernels, every projection in the
+        skinny kernel, one rank (only there does an output projection's epilogue see whole rows), no output bias."""
+        layers = self.model.layers
+        weights = [p.weight for x in layers for p in (x.self_attn.qkv_proj, x.self_attn.o_proj, x.mlp.down_proj)]
+        if not kernels.fuses_norms(weights[0][:1], *weights) or get_tp_size() != 1:
+            return
+        if any(x.self_attn.o_proj.bias is not None for x in layers):
+            return
+        for layer in layers:
+            for norm, proj in (
+                (layer.input_layernorm, layer.self_attn.qkv_proj),
+                (layer.post_attention_layernorm, layer.mlp.gate_up_proj),
+            ):
+                proj.weight.mul_(norm.weight)
+                norm.weight.fill_(1.0)
+            layer.norms_folded = True

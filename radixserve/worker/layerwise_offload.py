@@ -124,7 +124,8 @@ class LayerwiseOffload:
         set_forward_context(ctx)
         try:
             qkv, residual = layer.before_attention(positions, hidden, residual)
-            return layer.after_attention(attn.attend(*qkv), residual)
+            # Norms apart: the workspaces between units hold hidden rows, never a norm left to the next kernel.
+            return layer.after_attention(attn.attend(*qkv), residual, fuse_norms=False)
         finally:
             attn.k_cache, attn.v_cache = kept
             set_forward_context(None)

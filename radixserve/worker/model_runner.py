@@ -139,18 +139,18 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ setup
     def _load_model(self, model_dir: Path) -> torch.nn.Module:
-        cls = model_class(self.model_config.architecture)
         old_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = cls(self.model_config)
+                model = model_class(self.model_config.architecture)(self.model_config)
         finally:
             torch.set_default_dtype(old_dtype)
         if self.args.load_format == "dummy":
             load_dummy(model, self.args.seed)
         else:
             load_safetensors(model, model_dir, show_progress=get_tp_rank() == 0)
+        model.fold_norm_weights()  # where decode steps run the norms inside the projections (kernels.fuses_norms)
         return model.eval()
 
     # ------------------------------------------------------------------ forward

@@ -1,0 +1,116 @@
+"""A decode layer's RMSNorms inside the projections (kernels.fuses_norms, models/llama.py): the same function as the
+norms apart.
+
+fold_norm_weights moves each layer's two norm weights into the QKV and gate/up weights; a decode-sized step then
+adds the residual and sums its squares in the output and down projections' epilogues and scales the QKV and gate/up
+rows by 1/rms. On the CPU the twins run that dataflow (kernels.linear_add, reference.scale_rows); in a child process
+under TRITON_INTERPRET=1 the Triton kernels do. Both are held to the unfolded model with its norms apart, in fp32.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kernels
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# per-head Q/K norms; none (and llama3 RoPE scaling); a QKV bias: radixserve.testing's tiny models
+ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+def _model(arch, seed=3):
+    from radixserve.loader import load_dummy
+    from radixserve.model_config import ModelConfig
+    from radixserve.models.registry import model_class
+    from radixserve.testing.tiny_models import tiny_config
+
+    cfg = ModelConfig.from_dict(tiny_config(ARCHS[arch], vocab_size=300).to_dict())
+    model = model_class(arch)(cfg).eval()
+    load_dummy(model, seed)
+    return model, cfg
+
+
+def _logits(model, cfg, requests=5):
+    """Logits of one decode step of `requests` requests (6 tokens of context each) over fresh KV caches."""
+    from bench import kernels_per_layer as kpl
+    from radixserve.forward_context import set_forward_context
+
+    ctx, ids, positions = kpl.decode_step(model, cfg, requests, 0, 6, device="cpu")
+    for layer in model.model.layers:
+        layer.self_attn.attn.k_cache = layer.self_attn.attn.k_cache.float()
+        layer.self_attn.attn.v_cache = layer.self_attn.attn.v_cache.float()
+    set_forward_context(ctx)
+    try:
+        with torch.inference_mode():
+            return model.compute_logits(model(ids, positions))
+    finally:
+        set_forward_context(None)
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_norms_in_the_projections_compute_the_unfolded_model(arch, monkeypatch):
+    model, cfg = _model(arch)
+    want = _logits(model, cfg)
+    assert not any(layer.norms_folded for layer in model.model.layers)  # the CPU's kernels never fold
+
+    adds = []
+    real_linear_add = kernels.linear_add
+    monkeypatch.setattr(kernels, "fuses_norms", lambda x, *weights: True)  # the GPU's decision, on the twins
+    monkeypatch.setattr(kernels, "linear_add", lambda *a: adds.append(1) or real_linear_add(*a))
+    model.fold_norm_weights()
+    assert all(layer.norms_folded for layer in model.model.layers)
+    assert all(torch.all(layer.input_layernorm.weight == 1) for layer in model.model.layers)
+    fused = _logits(model, cfg)
+    assert len(adds) == 2 * cfg.num_layers  # every output and down projection added its residual
+    monkeypatch.setattr(kernels, "fuses_norms", lambda x, *weights: False)
+    apart = _logits(model, cfg)  # the folded weights with the norms apart: what larger batches run
+    assert _rel(fused, want) < 1e-5 and _rel(apart, want) < 1e-5
+    assert _rel(fused, want * 1.001) > 1e-4  # the check can tell
+
+
+def test_fold_needs_the_devices_kernels():
+    model, _ = _model("Qwen3ForCausalLM")
+    weights = [layer.self_attn.qkv_proj.weight.clone() for layer in model.model.layers]
+    model.fold_norm_weights()  # CPU tensors, reference kernels: nothing moves
+    assert all(torch.equal(w, layer.self_attn.qkv_proj.weight) for w, layer in zip(weights, model.model.layers))
+
+
+def interpreter_check() -> None:
+    """In a child with TRITON_INTERPRET=1: the Triton kernels' decode step with the norms in the projections against
+    the unfolded model's on the torch twins, for each architecture and a batch within and past a skinny tile."""
+    for arch in ARCHS:
+        for requests in (3, 16):
+            kernels.set_backend("reference")
+            model, cfg = _model(arch)
+            want = _logits(model, cfg, requests)
+            kernels.set_backend("triton")
+            model.fold_norm_weights()
+            assert all(layer.norms_folded for layer in model.model.layers), arch
+            got = _logits(model, cfg, requests)
+            err = _rel(got, want)
+            print(f"{arch} {requests} requests: norms in the projections vs apart, rel err {err:.2e}", flush=True)
+            assert err < 1e-4, (arch, requests, err)
+    print("norms in projections: ok")
+
+
+@pytest.mark.server
+def test_norms_in_the_projections_in_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", RADIXSERVE_KERNEL_BACKEND="triton")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    child = subprocess.run(
+        [sys.executable, os.path.abspath(__file__)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    print(child.stdout[-3000:], child.stderr[-3000:])
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+    assert child.stdout.count(" requests: norms in the projections") == 6 and "norms in projections: ok" in child.stdout
+
+
+if __name__ == "__main__":
+    interpreter_check()
