@@ -50,6 +50,28 @@ def _logits(model, cfg, requests=5):
         set_forward_context(None)
 
 
+def _piece_logits(model, cfg, requests=5):
+    """_logits through the prefill graphs' pieces (LlamaModel.piece) with each layer's attention run between them."""
+    from bench import kernels_per_layer as kpl
+    from radixserve.forward_context import set_forward_context
+
+    ctx, ids, positions = kpl.decode_step(model, cfg, requests, 0, 6, device="cpu")
+    layers = model.model.layers
+    for layer in layers:
+        layer.self_attn.attn.k_cache = layer.self_attn.attn.k_cache.float()
+        layer.self_attn.attn.v_cache = layer.self_attn.attn.v_cache.float()
+    set_forward_context(ctx)
+    try:
+        with torch.inference_mode():
+            x, residual = ids, None
+            for i, layer in enumerate(layers):
+                (q, k, v), residual = model.model.piece(i, positions, x, residual)
+                x = layer.self_attn.attn.attend(q, k, v)
+            return model.compute_logits(model.model.piece(len(layers), positions, x, residual)[0])
+    finally:
+        set_forward_context(None)
+
+
 def _rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
@@ -69,6 +91,7 @@ def test_norms_in_the_projections_compute_the_unfolded_model(arch, monkeypatch):
     assert all(torch.all(layer.input_layernorm.weight == 1) for layer in model.model.layers)
     fused = _logits(model, cfg)
     assert len(adds) == 2 * cfg.num_layers  # every output and down projection added its residual
+    assert torch.equal(_piece_logits(model, cfg), fused)  # the prefill graphs' pieces hand the Normed on too
     monkeypatch.setattr(kernels, "fuses_norms", lambda x, *weights: False)
     apart = _logits(model, cfg)  # the folded weights with the norms apart: what larger batches run
     assert _rel(fused, want) < 1e-5 and _rel(apart, want) < 1e-5
