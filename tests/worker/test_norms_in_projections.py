@@ -4,7 +4,8 @@ norms apart.
 fold_norm_weights moves each layer's two norm weights into the QKV and gate/up weights; a decode-sized step then
 adds the residual and sums its squares in the output and down projections' epilogues and scales the QKV and gate/up
 rows by 1/rms. On the CPU the twins run that dataflow (kernels.linear_add, reference.scale_rows); in a child process
-under TRITON_INTERPRET=1 the Triton kernels do. Both are held to the unfolded model with its norms apart, in fp32.
+under TRITON_INTERPRET=1 the Triton kernels do, for a model step and through the scheduler (InProcessEngine). Both
+are held to the unfolded model with its norms apart, in fp32; on a GPU, the engine's greedy tokens.
 """
 
 import os
@@ -105,6 +106,43 @@ def test_fold_needs_the_devices_kernels():
     assert all(torch.equal(w, layer.self_attn.qkv_proj.weight) for w, layer in zip(weights, model.model.layers))
 
 
+def _engine_greedy(norms_in_projections, device, requests, tokens, **flags):
+    """Greedy tokens of a tiny Qwen3 whose projections all take the skinny kernel (widths in whole 128-wide steps),
+    PDL off so that they launch without it (kernels.fuses_norms), fp32, through InProcessEngine; its model folded
+    exactly when the norms run in the projections."""
+    from radixserve.sampling import SamplingParams
+    from radixserve.testing.tiny_models import tiny_model_dir
+    from scheduler_service.in_process_engine import InProcessEngine
+
+    model_dir = str(tiny_model_dir("qwen3", hidden_size=128, intermediate_size=256, head_dim=32))
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 40, (requests,), generator=g).tolist()
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
+    previous = kernels.configure(norms_in_projections=norms_in_projections)
+    try:
+        engine = InProcessEngine(
+            model_dir,
+            device=device,
+            dtype="float32",
+            disable_pdl=True,
+            max_total_tokens=4096,
+            max_running_requests=16,
+            **flags,
+        )
+        assert engine.runner.model.model.layers[0].norms_folded == norms_in_projections
+        return [r.token_ids for r in engine.generate(prompts, [params] * len(prompts))]
+    finally:
+        kernels.configure(**previous)
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_outputs_are_the_same_with_the_norms_in_the_projections():
+    # Through the decode CUDA graphs and the prefill graphs' pieces too, on the GPU's own kernels.
+    graphs = dict(cuda_graph_max_bs=16, prefill_cuda_graph_max_tokens=512)
+    assert _engine_greedy(True, "cuda", 12, 16, **graphs) == _engine_greedy(False, "cuda", 12, 16, **graphs)
+
+
 def interpreter_check() -> None:
     """In a child with TRITON_INTERPRET=1: the Triton kernels' decode step with the norms in the projections against
     the unfolded model's on the torch twins, for each architecture and a batch within and past a skinny tile."""
@@ -120,6 +158,13 @@ def interpreter_check() -> None:
             err = _rel(got, want)
             print(f"{arch} {requests} requests: norms in the projections vs apart, rel err {err:.2e}", flush=True)
             assert err < 1e-4, (arch, requests, err)
+    # Through the scheduler (InProcessEngine: admission, chunked prefill, decode batches), in the same child.
+    a, b = (
+        _engine_greedy(True, "cpu", 4, 4, kernel_backend="triton"),
+        _engine_greedy(False, "cpu", 4, 4, kernel_backend="triton"),
+    )
+    print(f"engine, greedy tokens the same: {a == b}", flush=True)
+    assert a == b
     print("norms in projections: ok")
 
 
@@ -133,6 +178,7 @@ def test_norms_in_the_projections_in_interpreter():
     print(child.stdout[-3000:], child.stderr[-3000:])
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
     assert child.stdout.count(" requests: norms in the projections") == 6 and "norms in projections: ok" in child.stdout
+    assert "engine, greedy tokens the same: True" in child.stdout
 
 
 if __name__ == "__main__":
