@@ -275,9 +275,7 @@ class KernelVariants:
                 "gate_up_silu": staticmethod(triton_mlp.gate_up_silu),
                 "skinny_linear": staticmethod(triton_skinny_linear.skinny_linear),
                 "skinny_supports": staticmethod(triton_skinny_linear.supports),
-                "launches_with_pdl": staticmethod(
-                    lambda w: triton_common.uses_pdl(w.device, triton_common.linear_kind(w))
-                ),
+                "launches_with_pdl": staticmethod(triton_common.linear_uses_pdl),
             },
         )
         self._set(kernels, "_fused_impl", lambda t: Shadow(fused))

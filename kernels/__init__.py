@@ -290,7 +290,7 @@ def _fused_impl(tensor):
             gate_up_silu=triton_mlp.gate_up_silu,
             skinny_linear=triton_skinny_linear.skinny_linear,
             skinny_supports=triton_skinny_linear.supports,
-            launches_with_pdl=lambda w: triton_common.uses_pdl(w.device, triton_common.linear_kind(w)),
+            launches_with_pdl=triton_common.linear_uses_pdl,
         )
     return _fused_ops
 
@@ -368,7 +368,8 @@ def fuses_norms(x, *weights) -> bool:
     # Between projections that launch with PDL (weights up to 16 MB) a norm kernel's launch hides under theirs, and
     # the epilogues cost more than it: H100, batch 1, Qwen3-0.6B 1.12-1.17 -> 1.18 ms a step; Qwen3-8B (no PDL on
     # its projections) 6.33-6.36 -> 6.12-6.14 ms (bench/results/norms-in-projections-h100.md).
-    return all(_fused_impl(x).skinny_supports(w) and not _fused_impl(x).launches_with_pdl(w) for w in weights)
+    ops = _fused_impl(x)
+    return all(ops.skinny_supports(w) and not ops.launches_with_pdl(w) for w in weights)
 
 
 __all__ = [

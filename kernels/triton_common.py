@@ -219,6 +219,11 @@ def uses_pdl(device, kind: str) -> bool:
     return bool(kernels.OPTIONS["pdl"]) and kind in PDL_KINDS and pdl_supported(device)
 
 
+def linear_uses_pdl(weight) -> bool:
+    """Whether a projection over this weight launches with PDL (its kind by size: linear_kind)."""
+    return uses_pdl(weight.device, linear_kind(weight))
+
+
 def prefetches(device, kind: str) -> bool:
     """Whether a kernel of this kind prefetches what it can before its PDL wait: it launches with PDL (otherwise
     nothing runs before it to hide behind) and kernels.OPTIONS["pdl_prefetch"] is on (RADIXSERVE_KERNEL_OPTIONS=

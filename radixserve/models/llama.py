@@ -178,9 +178,8 @@ class LlamaForCausalLM(nn.Module):
         skinny kernel, one rank (only there does an output projection's epilogue see whole rows), no output bias."""
         layers = self.model.layers
         weights = [p.weight for x in layers for p in (x.self_attn.qkv_proj, x.self_attn.o_proj, x.mlp.down_proj)]
-        if not kernels.fuses_norms(weights[0][:1], *weights) or get_tp_size() != 1:
-            return
-        if any(x.self_attn.o_proj.bias is not None for x in layers):
+        biased = any(x.self_attn.o_proj.bias is not None for x in layers)
+        if biased or get_tp_size() != 1 or not kernels.fuses_norms(weights[0][:1], *weights):
             return
         for layer in layers:
             for norm, proj in (

@@ -35,20 +35,13 @@ class StepPipeline:
         self.in_flight = None  # the SampledStep launched last and not yet read back
         self.in_flight_is_long = False  # whether that step's launch was a long host step (not a decode-graph replay)
         self.read_back_wait_s = read_back_wait_s  # how long finish_before waits for it (0: never)
-        self._long = (None, False)  # (the batch last asked about, whether it is a long host step)
-
-    def _is_long(self, batch: ForwardBatch) -> bool:
-        """Whether the batch's launch is a long host step (not a decode-graph replay), asked of the runner once per
-        batch though finish_before and launch both want it; always False where finish_before never waits (the
-        in-process executor), so the runner is not asked at all there."""
-        if self._long[0] is not batch:
-            self._long = (batch, self.read_back_wait_s > 0 and not self.runner.replays_decode_graph(batch))
-        return self._long[1]
 
     def finish_before(self, batch: ForwardBatch) -> SampledTokens | None:
         """The step in flight's tokens, read back now, if both it and the batch about to be launched are long host
         steps and its tokens reach the host within read_back_wait_s (the module's docstring says why); else None."""
-        if self.in_flight is None or not self.in_flight_is_long or not self._is_long(batch):
+        if self.in_flight is None or not self.in_flight_is_long or self.read_back_wait_s <= 0:
+            return None
+        if self.runner.replays_decode_graph(batch):
             return None
         deadline = time.perf_counter() + self.read_back_wait_s
         while not self.in_flight.ready():
@@ -58,7 +51,7 @@ class StepPipeline:
 
     def launch(self, batch: ForwardBatch) -> SampledTokens | None:
         """Queue the batch's forward, read back the step before it (if any: returned), then sample the batch."""
-        is_long = self._is_long(batch)
+        is_long = not self.runner.replays_decode_graph(batch)
         logits = self.runner.compute_logits(batch)
         done = self.finish()
         self.in_flight = self.runner.sample(batch, logits)
