@@ -68,12 +68,13 @@ class Checker(ProjectionChecks):
             TOLERANCE[str(dtype).replace("torch.", "")],
         )
 
-    def decode(self, dtype, hq, hkv, d, seq_lens, case, g, num_kv_splits=None):
+    def decode(self, dtype, hq, hkv, d, seq_lens, case, g, num_kv_splits=None, max_seq_len=None):
+        """max_seq_len: the bound the split grid is sized for (a CUDA graph's context length), else the longest."""
         torch = self.torch
         # Decode sees the whole context through the table; the "new" token is just the last position.
         b = make_paged_batch(torch, [s - 1 for s in seq_lens], [1] * len(seq_lens), hq, hkv, d, dtype, self.device, g)
         scale = d**-0.5
-        args = (b["req_to_token"], b["req_pool_indices"], b["seq_lens"], scale, b["max_seq_len"])
+        args = (b["req_to_token"], b["req_pool_indices"], b["seq_lens"], scale, max_seq_len or b["max_seq_len"])
         ref = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=self.device)
         self.ref.decode_attention(b["q"], b["k_cache"], b["v_cache"], ref, *args)
         out = torch.full_like(b["q"], float("nan"))
@@ -87,6 +88,38 @@ class Checker(ProjectionChecks):
             rel_err(torch, out, ref),
             TOLERANCE[str(dtype).replace("torch.", "")],
         )
+
+    def decode_prepared(self, dtype, hq, hkv, d, rotary_dim, norm, seq_lens, case, g, **split_args):
+        """The plain decode kernel handed a step's pending Q/K norms, RoPE and K/V store (kernels.PendingQKV) against
+        its twin (kernels/triton_qkv.py's, then decode): the output and both caches. split_args: num_kv_splits, or
+        max_seq_len (a CUDA graph's bound)."""
+        import kernels
+
+        torch = self.torch
+        bsz = len(seq_lens)
+        b = make_paged_batch(torch, [s - 1 for s in seq_lens], [1] * bsz, hq, hkv, d, dtype, self.device, g)
+        qkv = torch.randn(bsz, (hq + 2 * hkv) * d, generator=g).to(self.device, dtype)
+        weights = [torch.randn(d, generator=g).to(self.device, dtype) + 1 for _ in range(2)] if norm else [None] * 2
+        cos_sin = torch.randn(4096, rotary_dim, generator=g).to(self.device)
+        positions = torch.randint(0, 4096, (bsz,), generator=g).to(self.device)  # rows of cos_sin
+        loc = b["req_to_token"][b["req_pool_indices"].long(), b["seq_lens"].long() - 1].contiguous()
+        max_seq_len = split_args.pop("max_seq_len", b["max_seq_len"])
+        results = []
+        for impl in (self.ref, self.tri):
+            x, k_cache, v_cache = qkv.clone(), b["k_cache"].clone(), b["v_cache"].clone()
+            q = x[:, : hq * d].view(bsz, hq, d)
+            k = x[:, hq * d : (hq + hkv) * d].view(bsz, hkv, d)
+            v = x[:, (hq + hkv) * d :].view(bsz, hkv, d)
+            pending = kernels.PendingQKV(k, v, positions, cos_sin, *weights, 1e-6, loc)
+            out = torch.full_like(q, float("nan"))
+            args = (b["req_to_token"], b["req_pool_indices"], b["seq_lens"], d**-0.5, max_seq_len)
+            extra = split_args if impl is self.tri else {}
+            impl.decode_attention(q, k_cache, v_cache, out, *args, pending=pending, **extra)
+            results.append((out, k_cache, v_cache))
+        (o0, k0, v0), (o1, k1, v1) = results
+        err = max(rel_err(torch, o1, o0), rel_err(torch, k1, k0), rel_err(torch, v1, v0))
+        label = f"{'q/k norm, ' if norm else ''}rotary_dim {rotary_dim}, {case}"
+        self.record("decode_prepared", dtype, f"Hq{hq}/Hkv{hkv} D{d}", label, err, TOLERANCE[str(dtype)[6:]])
 
     def decode_one_launch(self, dtype, hq, hkv, d, seq_lens, case, g, num_kv_splits=None):
         """kernels/one_launch_decode.py's plain path (splits merged in the same launch) against the reference."""

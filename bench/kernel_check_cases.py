@@ -26,6 +26,16 @@ def run_small(check, torch, g, ew):
     check.extend(torch.float32, 4, 1, 32, [40], [3], "automatic split count (a lone hit's small grid)", g)
     check.decode(torch.float32, 4, 2, 32, [100, 3], "more splits than blocks", g, num_kv_splits=8)
     check.decode(torch.float32, 4, 2, 32, [300, 50, 1], "automatic split count", g)
+    # A CUDA graph's grid, sized for a 40,960-token context: each context cut into its own live slices (decode_slicing:
+    # at least the device-filling count, slices of ~256 tokens past that), the rest of the grid dead.
+    check.decode(torch.float32, 2, 1, 32, [37], "graph's grid, one short context", g, max_seq_len=40960)
+    check.decode(torch.float32, 2, 1, 32, [1030], "graph's grid, 1030 tokens", g, max_seq_len=40960)
+    check.decode(torch.float32, 4, 2, 32, [700, 1, 9], "graph's grid, a batch of 3", g, max_seq_len=40960)
+    for dtype in (torch.float32, torch.float16):  # the decode kernel doing the step's Q/K norms, RoPE and K/V store
+        check.decode_prepared(
+            dtype, 4, 2, 32, 32, True, [1, 83, 40, 17], "ragged incl. 1, 3 splits", g, num_kv_splits=3
+        )
+        check.decode_prepared(dtype, 8, 2, 32, 16, False, [700, 2, 9], "graph's grid", g, max_seq_len=40960)
     for index_dtype in (torch.int32, torch.int64):
         check.store_kv(torch.float32, 13, 2, 32, g, index_dtype)
     check.store_kv(torch.float16, 5, 4, 64, g, torch.int32)
@@ -82,6 +92,13 @@ def run_full(check, torch, g, ew):
                 )
                 check.decode(dtype, hq, hkv, d, [rnd.randint(1, 700) for _ in range(256)], "256 random <=700", g)
     check.decode(torch.bfloat16, 32, 8, 128, [32768], "1 x 32768", g)
+    for n in (1, 1024, 1300, 4096, 16384):  # batch 1 under a decode graph's grid (40,960 tokens)
+        check.decode(torch.bfloat16, 32, 8, 128, [n], f"1 x {n}, graph's grid", g, max_seq_len=40960)
+        check.decode_prepared(
+            torch.bfloat16, 32, 8, 128, 128, True, [n], f"1 x {n}, graph's grid", g, max_seq_len=40960
+        )
+    check.decode_prepared(torch.bfloat16, 16, 8, 128, 128, True, [4099, 5, 1000, 1], "a batch of 4", g)
+    check.decode_prepared(torch.float16, 9, 3, 64, 64, False, [300, 77], "SmolLM2's heads, no norms", g)
     check.decode(torch.bfloat16, 32, 8, 128, [4099, 5, 1000], "forced splits", g, num_kv_splits=1)
     check.decode(torch.bfloat16, 32, 8, 128, [4099, 5, 1000], "forced splits", g, num_kv_splits=64)
     for index_dtype in (torch.int32, torch.int64):

@@ -21,12 +21,14 @@ before it waits: triton_attention.prefetches_kv) and extend_key_splits (an exten
 device, a lone cache hit's, splits its keys over programs and merges them: kernels/triton_attention.py
 extend_num_splits) and norms_in_projections (at decode-sized batches each layer's two RMSNorms run inside the
 projections after them, the residual add and the sums of squares in the epilogue of the ones before: fuses_norms,
-models/llama.py). The torch twins compute the same functions whatever the options.
+models/llama.py) and qkv_in_decode (a decode step's Q/K norms, RoPE and KV store inside the plain decode kernel, not a
+kernel of their own: decode_attention's pending). The torch twins compute the same functions whatever the options.
 """
 
 import os
 import sys
 import types
+from typing import NamedTuple
 
 import torch.nn.functional as F
 
@@ -61,6 +63,8 @@ OPTIONS = {
     "pdl_prefetch": True,
     "extend_key_splits": True,
     "norms_in_projections": True,
+    # Off until its GPU checks pass: bench/results/decode-step-h100-session18.md.
+    "qkv_in_decode": False,
 }
 
 
@@ -178,8 +182,25 @@ def compile_extend_variants(
     )
 
 
-def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len):
-    """One query token per request over positions 0..seq_lens[i]-1 (its own K/V already stored); o in place.
+class PendingQKV(NamedTuple):
+    """What qk_norm_rope_store would do to a decode step's new tokens (its arguments but q and the caches), left to
+    decode_attention: k/v [B, Hkv, D] and q as the QKV projection wrote them."""
+
+    k: object
+    v: object
+    positions: object
+    cos_sin_cache: object
+    q_weight: object
+    k_weight: object
+    eps: float
+    out_cache_loc: object
+
+
+def decode_attention(
+    q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len, pending=None
+):
+    """One query token per request over positions 0..seq_lens[i]-1 (its own K/V already stored, or stored here from
+    pending: PendingQKV); o in place.
 
     max_seq_len (a python int, >= every seq_len) fixes the number of KV splits; under CUDA graphs pass a
     constant (e.g. the context length) so that the captured grid stays valid.
@@ -187,9 +208,13 @@ def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq
     # Plain decodes keep the split + merge kernels: the one-launch kernel measured slower on them
     # (H100: Qwen3-8B W1 132.0 against 128.7 us a layer, gsp 230.9 against 219.7;
     # bench/results/shared-prefix-kernel-h100.md).
-    _attention_impl(q).decode_attention(
-        q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len
-    )
+    if pending is not None and not (OPTIONS["qkv_in_decode"] and OPTIONS["fused_qkv"]):
+        p, pending = pending, None  # their own kernel(s) first, as in any other step
+        qk_norm_rope_store(
+            q, p.k, p.v, p.positions, p.cos_sin_cache, p.q_weight, p.k_weight, p.eps, k_cache, v_cache, p.out_cache_loc
+        )
+    args = (q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len)
+    _attention_impl(q).decode_attention(*args, pending=pending)
 
 
 def _shared_prefix_impl(tensor):
@@ -299,24 +324,10 @@ def qk_norm_rope_store(q, k, v, positions, cos_sin_cache, q_weight, k_weight, ep
     """In place: each head of q [T, Hq, D] and k [T, Hkv, D] RMS-normalised with q_weight / k_weight (None: no norm,
     as in Llama), rotated as rope() does, then k and v stored into their KV slots as store_kv() does. q/k/v may be
     strided views of a fused QKV output. One kernel on the GPU (OPTIONS["fused_qkv"]), else the four it replaces."""
+    args = (q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc)
     if _use_reference(q) or OPTIONS["fused_qkv"]:
-        return _fused_impl(q).qk_norm_rope_store(
-            q, k, v, positions, cos_sin_cache, q_weight, k_weight, eps, k_cache, v_cache, out_cache_loc
-        )
-    reference.qk_norm_rope_store(
-        q,
-        k,
-        v,
-        positions,
-        cos_sin_cache,
-        q_weight,
-        k_weight,
-        eps,
-        k_cache,
-        v_cache,
-        out_cache_loc,
-        ops=sys.modules[__name__],
-    )  # the four kernels it replaces
+        return _fused_impl(q).qk_norm_rope_store(*args)
+    reference.qk_norm_rope_store(*args, ops=sys.modules[__name__])  # the four kernels it replaces
 
 
 def gate_up_silu(x, weight, squares=None, eps=0.0):
@@ -370,27 +381,3 @@ def fuses_norms(x, *weights) -> bool:
     # its projections) 6.33-6.36 -> 6.12-6.14 ms (bench/results/norms-in-projections-h100.md).
     ops = _fused_impl(x)
     return all(ops.skinny_supports(w) and not ops.launches_with_pdl(w) for w in weights)
-
-
-__all__ = [
-    "BACKENDS",
-    "OPTIONS",
-    "set_backend",
-    "get_backend",
-    "configure",
-    "store_kv",
-    "extend_attention",
-    "compile_extend_variants",
-    "decode_attention",
-    "decode_attention_grouped",
-    "rmsnorm",
-    "rope",
-    "silu_and_mul",
-    "qk_norm_rope_store",
-    "gate_up_silu",
-    "linear",
-    "linear_add",
-    "fuses_norms",
-    "prefix_slices",
-    "prefix_slices_bound",
-]

@@ -74,12 +74,20 @@ def compile_extend_variants(*args):
     """Nothing to compile: the twin of kernels/triton_attention.compile_extend_variants."""
 
 
-def decode_attention(q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len):
+def decode_attention(
+    q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len, pending=None
+):
     """Batched: every request's context is gathered into a [B, max_len] padded block, masked past its length.
+    pending (kernels.PendingQKV): the new tokens' Q/K norms, RoPE and K/V store, done first (qk_norm_rope_store).
 
     One fp32 matmul pair for the whole batch keeps the CPU server's decode step cheap; memory is
     B * max_len * Hkv * D floats, small for the models that run on the CPU.
     """
+    if pending is not None:
+        p = pending
+        qk_norm_rope_store(
+            q, p.k, p.v, p.positions, p.cos_sin_cache, p.q_weight, p.k_weight, p.eps, k_cache, v_cache, p.out_cache_loc
+        )
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv

@@ -53,8 +53,10 @@ DECODE_CONFIG = {
     "fp32": {"BLOCK_N": 16, "num_warps": 4, "num_stages": 2},
     "interpret": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 1},
 }
-# Split policy: aim at a few programs per SM, but never slices shorter than min_split_tokens.
-DECODE_SPLITS = {"programs_per_sm": 4, "min_split_tokens": 256, "max_splits": 64}
+# Split policy: a grid of a few programs per SM, at most max_splits and max_seq_len / min_split_tokens slices; under
+# CUDA graphs (max_seq_len the context length) each request cuts its own context (decode_slicing): ~min_split_tokens a
+# slice, at least enough to fill the device once (min_programs_per_sm). H100 measurements: decode-step-h100-session18.
+DECODE_SPLITS = {"programs_per_sm": 4, "min_programs_per_sm": 1, "min_split_tokens": 512, "max_splits": 32}
 
 
 def decode_config(dtype, device):
@@ -74,6 +76,13 @@ def decode_num_splits(batch, num_kv_heads, max_seq_len, device):
     splits = triton.cdiv(target, max(1, batch * num_kv_heads))
     splits = min(splits, triton.cdiv(max(1, max_seq_len), cfg["min_split_tokens"]), cfg["max_splits"])
     return power_of_two_at_most(splits)
+
+
+def decode_min_splits(batch, num_kv_heads, splits, device):
+    """The fewest slices each request's context is cut into, whatever its length (at most the grid's splits): enough
+    programs to fill every SM min_programs_per_sm times."""
+    target = DECODE_SPLITS["min_programs_per_sm"] * sm_count(device)
+    return min(splits, power_of_two_at_most(triton.cdiv(target, max(1, batch * num_kv_heads))))
 
 
 def prefetches_kv(k_cache, v_cache) -> bool:
@@ -99,16 +108,28 @@ def decode_attention(
     max_seq_len,
     num_kv_splits=None,
     config=None,
+    pending=None,
 ):
+    """pending (kernels.PendingQKV): q and the new tokens' K/V as the QKV projection left them; the kernel does what
+    kernels.qk_norm_rope_store would have (the new token folded in from registers, its K/V stored for later steps)."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     if bsz == 0:
         return
     assert_last_dim_contiguous(q, k_cache, v_cache, o)
+    p = pending
+    if p is None:  # placeholders: the kernel reads none of them
+        new, new_strides = (q, q, seq_lens, q, q, q, seq_lens, 0.0), (0,) * 5
+    else:
+        assert p.k.stride(-1) == p.v.stride(-1) == p.cos_sin_cache.stride(-1) == 1
+        weights = [q if w is None else w for w in (p.q_weight, p.k_weight)]
+        new = (p.k, p.v, p.positions, p.cos_sin_cache, *weights, p.out_cache_loc, p.eps)
+        new_strides = (*p.k.stride()[:2], *p.v.stride()[:2], p.cos_sin_cache.stride(0))
     assert req_to_token.stride(1) == 1
     cfg = dict(decode_config(q.dtype, q.device), **(config or {}))
     group = hq // hkv
     splits = num_kv_splits or decode_num_splits(bsz, hkv, max_seq_len, q.device)
+    min_splits = num_kv_splits or decode_min_splits(bsz, hkv, splits, q.device)
     block_d = triton.next_power_of_2(d)
     mid_o = torch.empty((bsz, hq, splits, d) if splits > 1 else (1, 1, 1, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bsz, hq, split_capacity(splits)), dtype=torch.float32, device=q.device)
@@ -122,7 +143,9 @@ def decode_attention(
         mid_o,
         mid_lse,
         o,
+        *new[:7],
         sm_scale * LOG2E,
+        new[7],
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -137,14 +160,20 @@ def decode_attention(
         mid_lse.stride(1),
         o.stride(0),
         o.stride(1),
+        *new_strides,
         splits,
+        min_splits,
         GROUP=group,
         HEAD_DIM=d,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=cfg["BLOCK_N"],
+        MIN_SPLIT_TOKENS=DECODE_SPLITS["min_split_tokens"],
         DOT_PRECISION=dot_precision(q.dtype),
         PREFETCH=prefetches_kv(k_cache, v_cache),
+        PREPARE_QKV=p is not None,
+        HAS_NORM=p is not None and p.q_weight is not None,
+        HALF=1 if p is None else p.cos_sin_cache.shape[-1] // 2,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
         **pdl_args(q.device, "attention"),
@@ -154,12 +183,13 @@ def decode_attention(
     # A second kernel merges the splits. Merging them in the last split's program instead (a count per request and
     # KV head) removed this launch but measured slower at batch 1 on an H100 (Qwen3-0.6B 1.30 -> 1.33 ms a step,
     # Qwen3-8B 6.38 -> 6.46: bench/results/kernels-h100-2026-11-24b/).
-    merge_splits(mid_o, mid_lse, o, seq_lens, cfg["BLOCK_N"], pdl_args(q.device, "attention"))
+    merge_splits(mid_o, mid_lse, o, seq_lens, cfg["BLOCK_N"], pdl_args(q.device, "attention"), min_splits)
 
 
-def merge_splits(mid_o, mid_lse, o, seq_lens, block_n, pdl):
+def merge_splits(mid_o, mid_lse, o, seq_lens, block_n, pdl, min_splits=1):
     """o[row, head] from the split kernels' partials (mid_o [rows, heads, splits, d]): decode's rows are requests whose
-    seq_lens say which splits were written; extend's are tokens (seq_lens None: every split written)."""
+    seq_lens say which splits were written (decode_slicing, with the decode kernel's min_splits and block_n); extend's
+    are tokens (seq_lens None: every split written)."""
     rows, hq, splits, d = mid_o.shape
     block_d = triton.next_power_of_2(d)
     _merge_splits_kernel[(rows, hq)](
@@ -175,10 +205,12 @@ def merge_splits(mid_o, mid_lse, o, seq_lens, block_n, pdl):
         o.stride(0),
         o.stride(1),
         splits,
+        min_splits,
         HEAD_DIM=d,
         BLOCK_S=MERGE_BLOCK_S,
         BLOCK_D=block_d,
         BLOCK_N=block_n,
+        MIN_SPLIT_TOKENS=DECODE_SPLITS["min_split_tokens"],
         num_warps=1 if block_d <= 64 else 2,
         **pdl,
     )

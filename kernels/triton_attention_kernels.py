@@ -3,6 +3,7 @@ row's partials, which the extend kernel's key splits use too) and the extend ker
 then causal over the new tokens). The launches, block configs and split policy are in triton_attention.py; what the
 kernels share is in kernels/triton_common.py."""
 
+import triton
 import triton.language as tl
 
 from kernels.triton_common import (
@@ -15,11 +16,23 @@ from kernels.triton_common import (
     prefetch_to_l2,
     wait_for_prior_kernel,
 )
+from kernels.triton_qkv import rotated_heads
 
 
-# The split count is a runtime int: it follows the batch size and the longest context, and a constexpr here made
+@triton.jit
+def decode_slicing(seq_len, num_splits, min_splits, MIN_SPLIT_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(slice length, live slices) of one request's context of seq_len tokens: slices of about MIN_SPLIT_TOKENS, but
+    at least min_splits of them (enough programs to fill the device once) and at most num_splits (the grid's), each
+    whole BLOCK_N blocks but the last. The grid is sized for the longest context a CUDA graph may meet, so most of it
+    is dead at short contexts; live slices of a few blocks each are what keeps a short context fast."""
+    want = tl.minimum(tl.maximum(tl.cdiv(seq_len, MIN_SPLIT_TOKENS), min_splits), num_splits)
+    split_len = tl.maximum(tl.cdiv(tl.cdiv(seq_len, want), BLOCK_N), 1) * BLOCK_N
+    return split_len, tl.cdiv(seq_len, split_len)
+
+
+# The split counts are runtime ints: they follow the batch size and the longest context, and constexprs here made
 # every new pair a compile in the middle of serving (bench/kernel_variants.py).
-@jit(do_not_specialize=["num_splits"], unaligned=["Req_pool_indices", "Seq_lens"])
+@jit(do_not_specialize=["num_splits", "min_splits"], unaligned=["Req_pool_indices", "Seq_lens", "Positions", "Loc"])
 def _decode_split_kernel(
     Q,
     K_cache,
@@ -30,7 +43,15 @@ def _decode_split_kernel(
     Mid_o,
     Mid_lse,
     O,
+    K_new,
+    V_new,
+    Positions,
+    Cos_sin,
+    Q_weight,
+    K_weight,
+    Loc,
     qk_scale,
+    eps,
     stride_qb,
     stride_qh,
     stride_kn,
@@ -45,14 +66,24 @@ def _decode_split_kernel(
     stride_mlh,
     stride_ob,
     stride_oh,
+    stride_knb,
+    stride_knh,
+    stride_vnb,
+    stride_vnh,
+    stride_cs,
     num_splits,
+    min_splits,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_SPLIT_TOKENS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFETCH: tl.constexpr,
+    PREPARE_QKV: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # One program = one request x one KV head x one slice of the context. All query heads of the KV
@@ -65,13 +96,16 @@ def _decode_split_kernel(
     # the KV of every earlier token: the bounds are read, and the first block's K/V rows asked of L2, before the wait.
     seq_len = tl.load(Seq_lens + req)
     pool_row = tl.load(Req_pool_indices + req)
-    # Split length rounded to BLOCK_N so that only the last block of a request is ragged.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len, _ = decode_slicing(seq_len, num_splits, min_splits, MIN_SPLIT_TOKENS, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
-    if start >= end:
-        wait_for_prior_kernel(PDL)  # kernels launched with PDL: triton_common.py
-        return  # the merge recomputes these bounds and skips this split
+    if start >= end:  # past the context: the merge recomputes these bounds and skips this split
+        # A dead program ends at once, without waiting for the kernel before (PDL: triton_common.py): it reads and
+        # writes nothing, and its request's split 0 waits (below, or here for a graph's padding row of no context),
+        # so this kernel still ends after that one.
+        if split == 0:
+            wait_for_prior_kernel(PDL)
+        return
     table = Req_to_token + pool_row.to(tl.int64) * stride_rt
     if PREFETCH:
         first = start + tl.arange(0, BLOCK_N)
@@ -94,11 +128,23 @@ def _decode_split_kernel(
     dims = tl.arange(0, BLOCK_D)
     head_ok = rows < GROUP
     dim_ok = dims < HEAD_DIM
-    q = tl.load(
-        Q + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-        mask=head_ok[:, None] & dim_ok[None, :],
-        other=0.0,
-    )
+    cached_end = end
+    if PREPARE_QKV:
+        # Q and the new token's K/V come straight from the QKV projection: what kernels/triton_qkv.py would do to them
+        # (per-head norm, RoPE, the K/V store) happens here, so that a decode step launches no kernel for it. Every
+        # program rotates its group's Q rows itself. The new token's K/V are not in the cache yet: the program whose
+        # slice ends the context reads the cache up to the token before and folds the new token in from registers,
+        # then stores its K/V into their slot for the steps after (nothing in this launch reads them back).
+        cos_sin = Cos_sin + tl.load(Positions + req).to(tl.int64) * stride_cs
+        q_row = Q + req * stride_qb
+        q = rotated_heads(q_row, heads, head_ok, stride_qh, dims, Q_weight, eps, cos_sin, HAS_NORM, HALF, HEAD_DIM)
+        cached_end = tl.minimum(end, seq_len - 1)
+    else:
+        q = tl.load(
+            Q + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+            mask=head_ok[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -111,7 +157,7 @@ def _decode_split_kernel(
         acc,
         table,
         start,
-        end,
+        cached_end,
         K_cache + kv_head * stride_kh,
         V_cache + kv_head * stride_vh,
         stride_kn,
@@ -123,6 +169,32 @@ def _decode_split_kernel(
         EVEN_D,
         DOT_PRECISION,
     )
+    if PREPARE_QKV:
+        if end == seq_len:
+            new_head = tl.full([1], 0, tl.int32) + kv_head
+            k_row = K_new + req * stride_knb
+            k = rotated_heads(
+                k_row, new_head, new_head >= 0, stride_knh, dims, K_weight, eps, cos_sin, HAS_NORM, HALF, HEAD_DIM
+            )
+            v = tl.load(V_new + req * stride_vnb + new_head[:, None] * stride_vnh + dims[None, :], mask=dim_ok[None, :])
+            k = k.to(K_cache.dtype.element_ty)  # as the cache holds them, so the step reads what later steps will
+            v = v.to(V_cache.dtype.element_ty)
+            slot = tl.load(Loc + req).to(tl.int64)
+            tl.store(
+                K_cache + slot * stride_kn + new_head[:, None] * stride_kh + dims[None, :], k, mask=dim_ok[None, :]
+            )
+            tl.store(
+                V_cache + slot * stride_vn + new_head[:, None] * stride_vh + dims[None, :], v, mask=dim_ok[None, :]
+            )
+            # One more key in the online softmax (online_softmax_block's math for a block of one, from registers).
+            score = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1)
+            m_new = tl.maximum(m_i, score * qk_scale)
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(score * qk_scale - m_new)
+            l_i = l_i * alpha + p
+            p = p.to(v.dtype).to(tl.float32)  # rounded as the block's p is before its dot with V
+            acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
+            m_i = m_new
 
     if num_splits == 1:  # the whole context in this program: the output directly, no partials and no merge launch
         tl.store(
@@ -136,7 +208,7 @@ def _decode_split_kernel(
     tl.store(Mid_lse + req * stride_mlb + heads * stride_mlh + split, m_i + tl.log2(l_i), mask=head_ok)
 
 
-@jit(do_not_specialize=["num_splits"], unaligned=["Seq_lens"])
+@jit(do_not_specialize=["num_splits", "min_splits"], unaligned=["Seq_lens"])
 def _merge_splits_kernel(
     Mid_o,
     Mid_lse,
@@ -150,10 +222,12 @@ def _merge_splits_kernel(
     stride_or,
     stride_oh,
     num_splits,
+    min_splits,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    MIN_SPLIT_TOKENS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """O[row, head] from the num_splits partials of a split kernel, for both split kernels of this module. A row is
@@ -166,10 +240,8 @@ def _merge_splits_kernel(
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     live_splits = num_splits
-    if Seq_lens is not None:  # the decode kernel's slicing: splits of whole BLOCK_N blocks
-        seq_len = tl.load(Seq_lens + row)
-        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        live_splits = tl.minimum(num_splits, tl.cdiv(seq_len, split_len))
+    if Seq_lens is not None:  # the decode kernel's slicing
+        _, live_splits = decode_slicing(tl.load(Seq_lens + row), num_splits, min_splits, MIN_SPLIT_TOKENS, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     lse_base = Mid_lse + row * stride_mlr + head * stride_mlh
@@ -178,7 +250,7 @@ def _merge_splits_kernel(
     m_i = tl.max(tl.full([BLOCK_S], float("-inf"), tl.float32), 0)
     l_i = tl.sum(tl.zeros([BLOCK_S], tl.float32), 0)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
+    for s0 in range(0, live_splits, BLOCK_S):
         splits = s0 + tl.arange(0, BLOCK_S)
         m_i, l_i, acc = merge_partials_block(
             lse_base, part_base, stride_mos, splits, splits < live_splits, dims, dim_ok, m_i, l_i, acc

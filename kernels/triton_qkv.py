@@ -5,7 +5,8 @@ and K out of the fused QKV output for each norm. Here one program per token read
 rotates Q and K in place (they stay strided views of the QKV output: the extend kernel reads the new K/V from there)
 and writes K and V into their KV slots. The math is fp32, rounded where the unfused kernels round (the norm's output
 to the storage dtype before the rotation), so it matches kernels/reference.py's twin, which is the unfused
-composition itself.
+composition itself. A decode step's tokens get the same from the plain decode kernel itself when
+OPTIONS["qkv_in_decode"] is on (rotated_heads: whole-head tiles in registers, kernels/triton_attention.py).
 """
 
 import triton
@@ -88,6 +89,49 @@ def _store_heads(
     tl.store(base + HALF + halves[None, :], out2.to(Base.dtype.element_ty), mask=mask)
     if HAS_REST:
         tl.store(base + ROT + rest[None, :], out3.to(Base.dtype.element_ty), mask=head_ok[:, None] & rest_ok[None, :])
+
+
+@triton.jit
+def rotated_heads(
+    X,
+    heads,
+    head_ok,
+    stride_h,
+    dims,
+    Weight,
+    eps,
+    Cos_sin,
+    HAS_NORM: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Heads `heads` of one token's row X ([heads, HEAD_DIM] at stride_h), each RMS-normalised with Weight (HAS_NORM)
+    and rotated neox-style over its first 2 * HALF dims by the position's cos/sin (Cos_sin: its row of the table, cos
+    then sin), as a [len(heads), len(dims)] tile in X's dtype. The math is fp32, the norm's output rounded to X's dtype
+    before the rotation as _norm_and_rotate rounds it. Each dim meets its rotation partner (d + HALF in the first half,
+    d - HALF in the second) through a second load of the same row, so the tile stays whole for the decode kernel's dot
+    (kernels/triton_attention_kernels.py). Not for a result written back over X, as this module's kernel writes its
+    own: a partner may belong to another thread, which _norm_and_rotate's halves never do."""
+    ROT: tl.constexpr = 2 * HALF
+    dim_ok = dims < HEAD_DIM
+    first = dims < HALF
+    rotated = dims < ROT
+    partner = tl.where(first, dims + HALF, tl.where(rotated, dims - HALF, dims))
+    mask = head_ok[:, None] & dim_ok[None, :]
+    base = X + heads[:, None] * stride_h
+    x = tl.load(base + dims[None, :], mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(base + partner[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        inv_rms = tl.rsqrt(tl.sum(x * x, 1) / HEAD_DIM + eps)
+        w = tl.load(Weight + dims, mask=dim_ok, other=0.0).to(tl.float32)
+        w_partner = tl.load(Weight + partner, mask=dim_ok, other=0.0).to(tl.float32)
+        x = (x * inv_rms[:, None] * w[None, :]).to(X.dtype.element_ty).to(tl.float32)
+        x_partner = (x_partner * inv_rms[:, None] * w_partner[None, :]).to(X.dtype.element_ty).to(tl.float32)
+    angle = tl.where(first, dims, dims - HALF)
+    cos = tl.load(Cos_sin + angle, mask=rotated, other=1.0)  # dims past the rotary ones: x as it is
+    sin = tl.load(Cos_sin + HALF + angle, mask=rotated, other=0.0)
+    sin = tl.where(first, -sin, sin)  # first half: x cos - partner sin; second: x cos + partner sin
+    return (x * cos[None, :] + x_partner * sin[None, :]).to(X.dtype.element_ty)
 
 
 # Positions and slots arrive as slices of per-step buffers: exempt from alignment specialisation.

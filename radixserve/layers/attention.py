@@ -39,27 +39,23 @@ class Attention(nn.Module):
         q_norm: torch.Tensor | None,
         k_norm: torch.Tensor | None,
         eps: float,
-    ) -> None:
+    ) -> kernels.PendingQKV | None:
         """store() after the per-head RMSNorm of Q and K (weights q_norm / k_norm, None for none) and RoPE
-        (cos_sin_cache of a layers.rotary.RotaryEmbedding), all in place on q/k, as one kernel."""
-        kernels.qk_norm_rope_store(
-            q,
-            k,
-            v,
-            positions,
-            cos_sin_cache,
-            q_norm,
-            k_norm,
-            eps,
-            self.k_cache,
-            self.v_cache,
-            get_forward_context().out_cache_loc,
-        )
+        (cos_sin_cache of a layers.rotary.RotaryEmbedding), all in place on q/k, as one kernel. Except in a decode step
+        of the plain path: there it is returned, pending, for attend() to hand to the decode kernel, which does it in
+        its own launch (kernels.decode_attention); None once done."""
+        ctx = get_forward_context()
+        pending = kernels.PendingQKV(k, v, positions, cos_sin_cache, q_norm, k_norm, eps, ctx.out_cache_loc)
+        # Every token a request's decode (a prefill graph's capture has tokens but no requests), none grouped.
+        if ctx.num_extend_tokens == 0 and ctx.seq_lens.shape[0] == q.shape[0] and ctx.decode_groups is None:
+            return pending
+        kernels.qk_norm_rope_store(q, *pending[:7], self.k_cache, self.v_cache, ctx.out_cache_loc)
+        return None
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None):
+    def attend(self, q, k, v, pending: kernels.PendingQKV | None = None, out: torch.Tensor | None = None):
         """Attention of the new tokens' queries (q: [T, Hq, D]) over their cached context and the new tokens (k/v:
-        [T, Hkv, D], already stored); into `out` when given (a piecewise CUDA graph's static buffer of T rows or
-        more). Returns the output [T, Hq, D]."""
+        [T, Hkv, D], already stored, or pending: store_rotated's); into `out` when given (a piecewise CUDA graph's
+        static buffer of T rows or more). Returns the output [T, Hq, D]."""
         ctx = get_forward_context()
         o = torch.empty_like(q) if out is None else out[: q.shape[0]]
         n, t = ctx.num_extend_reqs, ctx.num_extend_tokens
@@ -91,6 +87,7 @@ class Attention(nn.Module):
                 ctx.seq_lens[n:],
                 self.scale,
                 ctx.max_seq_len,
+                pending,
             )
         elif t < q.shape[0]:
             # Decodes that share a prefix: its K/V is read once per group instead of once per member.

@@ -36,17 +36,18 @@ class LlamaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
 
-    def query(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    def query(self, positions: torch.Tensor, hidden: torch.Tensor) -> tuple:
         """Q/K/V of the new tokens ([T, H, D] each, views of one projection output): Q/K normalised per head (Qwen3)
-        and rotated in place, K/V stored into their KV slots, by one kernel (kernels.qk_norm_rope_store)."""
+        and rotated in place, K/V stored into their KV slots, by one kernel (kernels.qk_norm_rope_store), and None;
+        or, in a plain decode step, as projected and what is pending on them (Attention.store_rotated)."""
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(-1, self.num_heads, self.head_dim)
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
         eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        self.attn.store_rotated(positions, q, k, v, self.rotary_emb.cos_sin_cache, q_norm, k_norm, eps)
-        return q, k, v
+        pending = self.attn.store_rotated(positions, q, k, v, self.rotary_emb.cos_sin_cache, q_norm, k_norm, eps)
+        return q, k, v, pending
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -135,7 +136,7 @@ class LlamaModel(nn.Module):
     # i-1's attention output to layer i's, piece(num_layers) from the last attention output to the final norm.
     # forward() == the pieces in turn with each layer's attention in between (tests/worker/test_prefill_cuda_graph.py).
     def piece(self, i: int, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None):
-        """Piece i: x is the input ids (i == 0) or layer i-1's attention output; returns ((Q, K, V) of layer i,
+        """Piece i: x is the input ids (i == 0) or layer i-1's attention output; returns (query() of layer i,
         residual), or (hidden, None) after the final norm for i == num_layers."""
         if i == 0:
             return self.layers[0].before_attention(positions, self.embed_tokens(x), None)

@@ -98,7 +98,8 @@ class PrefillCudaGraphs:
         out, residual = self.model.piece(i, self.positions[:b], x, residual)
         if i == self.num_layers:
             return out
-        q, k, v = out
+        q, k, v, pending = out
+        assert pending is None  # a prefill step: its Q/K/V are done (Attention.store_rotated)
         self.q[:b].copy_(q)
         self.k[:b].copy_(k)
         self.v[:b].copy_(v)

@@ -203,7 +203,7 @@ def test_keys_follow_triton_rules_and_ignore_batch_metadata():
     buf = torch.zeros(64, dtype=torch.int32)
     q, cache, mid = torch.zeros(4, 4, 16), torch.zeros(32, 2, 16), torch.zeros(4, 4, 16, 16)
 
-    def key(req_rows, q_view=q, stride_rt=256, num_splits=2):
+    def key(req_rows, q_view=q, stride_rt=256, num_splits=2, min_splits=2):
         args = (
             q_view,
             cache,
@@ -214,7 +214,9 @@ def test_keys_follow_triton_rules_and_ignore_batch_metadata():
             mid,
             mid,
             q,
+            *(q, q, buf, q, q, q, buf),  # no pending Q/K/V: the decode kernel's own Q/K norms, RoPE, store unused
             0.5,
+            0.0,
             64,
             16,
             32,
@@ -229,7 +231,9 @@ def test_keys_follow_triton_rules_and_ignore_batch_metadata():
             16,
             64,
             16,
+            *(0, 0, 0, 0, 0),
             num_splits,
+            min_splits,
         )
         return specialization_key(
             kernel,
@@ -240,8 +244,12 @@ def test_keys_follow_triton_rules_and_ignore_batch_metadata():
                 BLOCK_H=16,
                 BLOCK_D=16,
                 BLOCK_N=32,
+                MIN_SPLIT_TOKENS=512,
                 DOT_PRECISION="ieee",
                 PREFETCH=False,
+                PREPARE_QKV=False,
+                HAS_NORM=False,
+                HALF=1,
                 PDL=False,
                 num_warps=4,
                 num_stages=1,
@@ -252,6 +260,7 @@ def test_keys_follow_triton_rules_and_ignore_batch_metadata():
     # Batch metadata: slices at any offset, and any split count, select the same binary.
     assert key(buf[3:]) == key(buf[5:]) == base
     assert key(buf[0:], num_splits=1) == key(buf[0:], num_splits=7) == key(buf[0:], num_splits=32) == base
+    assert key(buf[0:], min_splits=1) == key(buf[0:], min_splits=16) == base
     # Specialised arguments: an int equal to 1, divisible by 16 or neither; a pointer aligned to 16 bytes or not.
     assert len({key(buf[0:], stride_rt=s) for s in (1, 7, 256, 512)}) == 3
     shifted = torch.zeros(q.numel() + 1)[1:].view(q.shape)  # 4 bytes past an aligned address

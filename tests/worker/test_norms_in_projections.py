@@ -8,16 +8,11 @@ under TRITON_INTERPRET=1 the Triton kernels do, for a model step and through the
 are held to the unfolded model with its norms apart, in fp32; on a GPU, the engine's greedy tokens.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
 import kernels
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # per-head Q/K norms; none (and llama3 RoPE scaling); a QKV bias: radixserve.testing's tiny models
 ARCHS = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -66,8 +61,8 @@ def _piece_logits(model, cfg, requests=5):
         with torch.inference_mode():
             x, residual = ids, None
             for i, layer in enumerate(layers):
-                (q, k, v), residual = model.model.piece(i, positions, x, residual)
-                x = layer.self_attn.attn.attend(q, k, v)
+                qkv, residual = model.model.piece(i, positions, x, residual)
+                x = layer.self_attn.attn.attend(*qkv)
             return model.compute_logits(model.model.piece(len(layers), positions, x, residual)[0])
     finally:
         set_forward_context(None)
@@ -170,15 +165,11 @@ def interpreter_check() -> None:
 
 @pytest.mark.server
 def test_norms_in_the_projections_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", RADIXSERVE_KERNEL_BACKEND="triton")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    child = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
-    print(child.stdout[-3000:], child.stderr[-3000:])
-    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
-    assert child.stdout.count(" requests: norms in the projections") == 6 and "norms in projections: ok" in child.stdout
-    assert "engine, greedy tokens the same: True" in child.stdout
+    from interpreter_child import run_interpreted  # tests/helpers (conftest.py); not in the child itself
+
+    stdout = run_interpreted(__file__)
+    assert stdout.count(" requests: norms in the projections") == 6 and "norms in projections: ok" in stdout
+    assert "engine, greedy tokens the same: True" in stdout
 
 
 if __name__ == "__main__":

@@ -46,8 +46,8 @@ def test_pieces_in_turn_equal_the_forward(arch):
     try:
         x, residual = inputs.input_ids, None
         for i, layer in enumerate(model.layers):
-            (q, k, v), residual = model.piece(i, inputs.positions, x, residual)
-            x = layer.self_attn.attn.attend(q, k, v, out=torch.empty(len(q) + 5, *q.shape[1:]))
+            (q, k, v, pending), residual = model.piece(i, inputs.positions, x, residual)
+            x = layer.self_attn.attn.attend(q, k, v, pending, out=torch.empty(len(q) + 5, *q.shape[1:]))
         pieces, _ = model.piece(len(model.layers), inputs.positions, x, residual)
     finally:
         set_forward_context(None)

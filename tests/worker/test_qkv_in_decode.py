@@ -1,0 +1,97 @@
+"""A decode step's Q/K norms, RoPE and K/V store done by the plain decode kernel itself (kernels.PendingQKV,
+OPTIONS["qkv_in_decode"]) against their own kernel first: which steps leave them pending, and the same greedy tokens
+through the scheduler under TRITON_INTERPRET=1 (in CI) and on the GPU (gpu-marked). The kernel against its twin is
+bench/kernel_check_cases.py's decode_prepared cases (tests/worker/test_kernels_triton.py runs them)."""
+
+import pytest
+import torch
+
+import kernels
+from radixserve.forward_context import ForwardContext, set_forward_context
+from radixserve.layers.attention import Attention
+
+
+def _context(extend_tokens: int, requests: int, tokens: int) -> ForwardContext:
+    ints = lambda n: torch.zeros(n, dtype=torch.int32)  # noqa: E731
+    return ForwardContext(
+        num_extend_reqs=1 if extend_tokens else 0,
+        num_extend_tokens=extend_tokens,
+        req_to_token=torch.zeros(4, 64, dtype=torch.int32),
+        req_pool_indices=ints(requests),
+        prefix_lens=ints(requests),
+        extend_lens=ints(requests),
+        extend_start_loc=ints(requests),
+        seq_lens=ints(requests),
+        out_cache_loc=torch.arange(tokens, dtype=torch.int32),
+        max_extend_len=extend_tokens,
+        max_seq_len=64,
+    )
+
+
+@pytest.mark.parametrize(
+    "extend_tokens,requests,tokens,pending",
+    [
+        (0, 3, 3, True),  # a decode step: every token a request's
+        (5, 2, 6, False),  # a mixed step: the extend kernel reads the new K/V from the cache
+        (0, 0, 8, False),  # a prefill graph's capture: tokens but no requests, the store goes into the piece
+    ],
+)
+def test_only_plain_decode_steps_leave_it_pending(extend_tokens, requests, tokens, pending):
+    attn = Attention(4, 2, 16, 0.25)
+    attn.k_cache, attn.v_cache = torch.zeros(16, 2, 16), torch.zeros(16, 2, 16)
+    q, k, v = torch.randn(tokens, 4, 16), torch.randn(tokens, 2, 16), torch.randn(tokens, 2, 16)
+    cos_sin = torch.randn(64, 16)
+    set_forward_context(_context(extend_tokens, requests, tokens))
+    try:
+        left = attn.store_rotated(torch.zeros(tokens, dtype=torch.int64), q, k, v, cos_sin, None, None, 1e-6)
+    finally:
+        set_forward_context(None)
+    assert (left is not None) == pending
+    assert bool(attn.k_cache.abs().sum() == 0) == pending  # stored now exactly when nothing is left pending
+
+
+def _engine_greedy(qkv_in_decode, device, arch, requests, tokens, **flags):
+    from radixserve.sampling import SamplingParams
+    from radixserve.testing.tiny_models import tiny_model_dir
+    from scheduler_service.in_process_engine import InProcessEngine
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, 40, (requests,), generator=g).tolist()
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
+    previous = kernels.configure(qkv_in_decode=qkv_in_decode)
+    try:
+        engine = InProcessEngine(
+            str(tiny_model_dir(arch)), device=device, dtype="float32", max_total_tokens=4096, **flags
+        )
+        return [r.token_ids for r in engine.generate(prompts, [params] * len(prompts))]
+    finally:
+        kernels.configure(**previous)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_gpu_greedy_outputs_are_the_same_with_the_qkv_prep_in_the_decode_kernel(arch):
+    # Decode CUDA graphs and eager decode batches past them (12 requests, graphs up to 8), prefill graphs too.
+    graphs = dict(cuda_graph_max_bs=8, prefill_cuda_graph_max_tokens=512, max_running_requests=16)
+    assert _engine_greedy(True, "cuda", arch, 12, 16, **graphs) == _engine_greedy(False, "cuda", arch, 12, 16, **graphs)
+
+
+def interpreter_check() -> None:
+    for arch in ("qwen3", "llama"):  # Q/K norms and none; llama3 RoPE scaling
+        a = _engine_greedy(True, "cpu", arch, 3, 4, kernel_backend="triton", max_running_requests=4)
+        b = _engine_greedy(False, "cpu", arch, 3, 4, kernel_backend="triton", max_running_requests=4)
+        print(f"{arch}: greedy tokens the same with the Q/K/V prep in the decode kernel: {a == b}", flush=True)
+        assert a == b
+
+
+@pytest.mark.server
+def test_greedy_outputs_are_the_same_with_the_qkv_prep_in_the_decode_kernel_in_interpreter():
+    from interpreter_child import run_interpreted  # tests/helpers (conftest.py); not in the child itself
+
+    stdout = run_interpreted(__file__)
+    assert stdout.count("in the decode kernel: True") == 2
+
+
+if __name__ == "__main__":
+    interpreter_check()
