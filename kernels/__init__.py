@@ -195,6 +195,11 @@ class PendingQKV(NamedTuple):
     eps: float
     out_cache_loc: object
 
+    def store_args(self, q, k_cache, v_cache) -> tuple:
+        """The arguments of qk_norm_rope_store (or a twin's) that does it now."""
+        k, v, positions, cos_sin, q_weight, k_weight, eps, loc = self
+        return q, k, v, positions, cos_sin, q_weight, k_weight, eps, k_cache, v_cache, loc
+
 
 def decode_attention(
     q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len, pending=None
@@ -209,10 +214,8 @@ def decode_attention(
     # (H100: Qwen3-8B W1 132.0 against 128.7 us a layer, gsp 230.9 against 219.7;
     # bench/results/shared-prefix-kernel-h100.md).
     if pending is not None and not (OPTIONS["qkv_in_decode"] and OPTIONS["fused_qkv"]):
-        p, pending = pending, None  # their own kernel(s) first, as in any other step
-        qk_norm_rope_store(
-            q, p.k, p.v, p.positions, p.cos_sin_cache, p.q_weight, p.k_weight, p.eps, k_cache, v_cache, p.out_cache_loc
-        )
+        qk_norm_rope_store(*pending.store_args(q, k_cache, v_cache))  # its own kernel(s) first, as in other steps
+        pending = None
     args = (q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len)
     _attention_impl(q).decode_attention(*args, pending=pending)
 

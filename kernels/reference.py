@@ -84,10 +84,7 @@ def decode_attention(
     B * max_len * Hkv * D floats, small for the models that run on the CPU.
     """
     if pending is not None:
-        p = pending
-        qk_norm_rope_store(
-            q, p.k, p.v, p.positions, p.cos_sin_cache, p.q_weight, p.k_weight, p.eps, k_cache, v_cache, p.out_cache_loc
-        )
+        qk_norm_rope_store(*pending.store_args(q, k_cache, v_cache))
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     group = hq // hkv

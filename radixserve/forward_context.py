@@ -104,6 +104,15 @@ class ForwardContext:
     # Decodes that share a prefix read it once for the group (kernels.decode_attention_grouped); None: none do.
     decode_groups: DecodeGroups | None = None
 
+    @property
+    def plain_decode(self) -> bool:
+        """Every token a request's decode (a prefill graph's capture has tokens but no requests), none grouped."""
+        return (
+            self.num_extend_tokens == 0
+            and self.seq_lens.shape[0] == self.out_cache_loc.shape[0] > 0
+            and self.decode_groups is None
+        )
+
 
 _current: ForwardContext | None = None
 

@@ -46,10 +46,9 @@ class Attention(nn.Module):
         its own launch (kernels.decode_attention); None once done."""
         ctx = get_forward_context()
         pending = kernels.PendingQKV(k, v, positions, cos_sin_cache, q_norm, k_norm, eps, ctx.out_cache_loc)
-        # Every token a request's decode (a prefill graph's capture has tokens but no requests), none grouped.
-        if ctx.num_extend_tokens == 0 and ctx.seq_lens.shape[0] == q.shape[0] and ctx.decode_groups is None:
+        if ctx.plain_decode:
             return pending
-        kernels.qk_norm_rope_store(q, *pending[:7], self.k_cache, self.v_cache, ctx.out_cache_loc)
+        kernels.qk_norm_rope_store(*pending.store_args(q, self.k_cache, self.v_cache))
         return None
 
     def attend(self, q, k, v, pending: kernels.PendingQKV | None = None, out: torch.Tensor | None = None):

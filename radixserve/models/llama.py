@@ -83,7 +83,7 @@ class LlamaDecoderLayer(nn.Module):
     # between one layer's attention and the next (radixserve/worker/prefill_cuda_graph.py) while attention, whose
     # launch depends on the batch's shape, runs eagerly.
     def before_attention(self, positions, hidden, residual):
-        """Norm (with the residual add), Q/K/V, K/V stored: ((Q, K, V), the residual stream)."""
+        """Norm (with the residual add), Q/K/V, K/V stored: (query()'s (Q, K, V, pending), the residual stream)."""
         # The residual stream is carried separately so each norm can fuse the residual add.
         if isinstance(hidden, Normed):  # the layer before added the residual: the norm runs in the QKV kernel
             return self.self_attn.query(positions, hidden), residual

@@ -12,7 +12,8 @@ def run_interpreted(script: str, timeout: int = 300) -> str:
     """Runs `script` (a test module's path, whose __main__ runs its checks) with the Triton kernels interpreted on the
     CPU; returns its stdout once it exits 0, else fails with the tails of both streams."""
     env = dict(os.environ, TRITON_INTERPRET="1", RADIXSERVE_KERNEL_BACKEND="triton")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    helpers = os.path.join(ROOT, "tests", "helpers")  # importable by name, as conftest.py makes them in the suite
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, helpers, env.get("PYTHONPATH", "")])
     child = subprocess.run(
         [sys.executable, os.path.abspath(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
     )

@@ -9,6 +9,7 @@ are held to the unfolded model with its norms apart, in fp32; on a GPU, the engi
 """
 
 import pytest
+from greedy_tokens import greedy_token_ids
 import torch
 
 import kernels
@@ -105,15 +106,10 @@ def _engine_greedy(norms_in_projections, device, requests, tokens, **flags):
     """Greedy tokens of a tiny Qwen3 whose projections all take the skinny kernel (widths in whole 128-wide steps),
     PDL off so that they launch without it (kernels.fuses_norms), fp32, through InProcessEngine; its model folded
     exactly when the norms run in the projections."""
-    from radixserve.sampling import SamplingParams
     from radixserve.testing.tiny_models import tiny_model_dir
     from scheduler_service.in_process_engine import InProcessEngine
 
     model_dir = str(tiny_model_dir("qwen3", hidden_size=128, intermediate_size=256, head_dim=32))
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 40, (requests,), generator=g).tolist()
-    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
-    params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
     previous = kernels.configure(norms_in_projections=norms_in_projections)
     try:
         engine = InProcessEngine(
@@ -126,7 +122,7 @@ def _engine_greedy(norms_in_projections, device, requests, tokens, **flags):
             **flags,
         )
         assert engine.runner.model.model.layers[0].norms_folded == norms_in_projections
-        return [r.token_ids for r in engine.generate(prompts, [params] * len(prompts))]
+        return greedy_token_ids(engine, requests, tokens)
     finally:
         kernels.configure(**previous)
 

@@ -4,6 +4,7 @@ through the scheduler under TRITON_INTERPRET=1 (in CI) and on the GPU (gpu-marke
 bench/kernel_check_cases.py's decode_prepared cases (tests/worker/test_kernels_triton.py runs them)."""
 
 import pytest
+from greedy_tokens import greedy_token_ids
 import torch
 
 import kernels
@@ -51,20 +52,15 @@ def test_only_plain_decode_steps_leave_it_pending(extend_tokens, requests, token
 
 
 def _engine_greedy(qkv_in_decode, device, arch, requests, tokens, **flags):
-    from radixserve.sampling import SamplingParams
     from radixserve.testing.tiny_models import tiny_model_dir
     from scheduler_service.in_process_engine import InProcessEngine
 
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(3, 40, (requests,), generator=g).tolist()
-    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in lengths]
-    params = SamplingParams(temperature=0.0, max_new_tokens=tokens, ignore_eos=True)
     previous = kernels.configure(qkv_in_decode=qkv_in_decode)
     try:
         engine = InProcessEngine(
             str(tiny_model_dir(arch)), device=device, dtype="float32", max_total_tokens=4096, **flags
         )
-        return [r.token_ids for r in engine.generate(prompts, [params] * len(prompts))]
+        return greedy_token_ids(engine, requests, tokens)
     finally:
         kernels.configure(**previous)
 
