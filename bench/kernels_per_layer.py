@@ -48,7 +48,7 @@ OPTION_SETS = {
     "serving's defaults, PDL off": (dict(one_launch_decode=0, pdl=0), True),
     "serving's defaults, no prefetch": (dict(one_launch_decode=0, pdl_prefetch=0), True),
     "serving's defaults, norms apart": (dict(one_launch_decode=0, norms_in_projections=0), True),
-    "serving's defaults + Q/K/V prep in decode": (dict(one_launch_decode=0, qkv_in_decode=1), True),
+    "serving's defaults, Q/K/V prep apart": (dict(one_launch_decode=0, qkv_in_decode_max_rows=0), True),
 }
 BATCHES = {"bs1": (1, 0, 1024), "bs16": (16, 0, 1024), "W1": (128, 1024, 128)}  # requests, shared prefix, own
 CONTEXT_LEN = 40960

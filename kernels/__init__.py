@@ -21,8 +21,9 @@ before it waits: triton_attention.prefetches_kv) and extend_key_splits (an exten
 device, a lone cache hit's, splits its keys over programs and merges them: kernels/triton_attention.py
 extend_num_splits) and norms_in_projections (at decode-sized batches each layer's two RMSNorms run inside the
 projections after them, the residual add and the sums of squares in the epilogue of the ones before: fuses_norms,
-models/llama.py) and qkv_in_decode (a decode step's Q/K norms, RoPE and KV store inside the plain decode kernel, not a
-kernel of their own: decode_attention's pending). The torch twins compute the same functions whatever the options.
+models/llama.py) and qkv_in_decode_max_rows (a decode step of up to this many requests does its Q/K norms, RoPE and KV
+store inside the plain decode kernel, not a kernel of their own: decode_attention's pending; 0: never). The torch
+twins compute the same functions whatever the options.
 """
 
 import os
@@ -63,8 +64,10 @@ OPTIONS = {
     "pdl_prefetch": True,
     "extend_key_splits": True,
     "norms_in_projections": True,
-    # Off until its GPU checks pass: bench/results/decode-step-h100-session18.md.
-    "qkv_in_decode": False,
+    # 16: on an H100 the decode step measured faster with it up to 16 requests (Qwen3-0.6B 1.020 -> 0.993 ms at batch 1,
+    # 1.827 -> 1.680 at 16; Qwen3-8B within noise) and slower at 64 (0.6B 3.988 -> 4.049, 8B 10.076 -> 10.163):
+    # bench/results/decode-step-h100-session19.md.
+    "qkv_in_decode_max_rows": 16,
 }
 
 
@@ -213,7 +216,8 @@ def decode_attention(
     # Plain decodes keep the split + merge kernels: the one-launch kernel measured slower on them
     # (H100: Qwen3-8B W1 132.0 against 128.7 us a layer, gsp 230.9 against 219.7;
     # bench/results/shared-prefix-kernel-h100.md).
-    if pending is not None and not (OPTIONS["qkv_in_decode"] and OPTIONS["fused_qkv"]):
+    in_kernel = OPTIONS["fused_qkv"] and q.shape[0] <= OPTIONS["qkv_in_decode_max_rows"]
+    if pending is not None and not in_kernel:
         qk_norm_rope_store(*pending.store_args(q, k_cache, v_cache))  # its own kernel(s) first, as in other steps
         pending = None
     args = (q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, sm_scale, max_seq_len)

@@ -128,17 +128,34 @@ def _decode_split_kernel(
     dims = tl.arange(0, BLOCK_D)
     head_ok = rows < GROUP
     dim_ok = dims < HEAD_DIM
-    cached_end = end
     if PREPARE_QKV:
         # Q and the new token's K/V come straight from the QKV projection: what kernels/triton_qkv.py would do to them
         # (per-head norm, RoPE, the K/V store) happens here, so that a decode step launches no kernel for it. Every
-        # program rotates its group's Q rows itself. The new token's K/V are not in the cache yet: the program whose
-        # slice ends the context reads the cache up to the token before and folds the new token in from registers,
-        # then stores its K/V into their slot for the steps after (nothing in this launch reads them back).
+        # program rotates its group's Q rows itself; the program whose slice ends the context stores the new token's
+        # K/V into their slot, and a barrier later its own loop reads them back with the rest of its slice (a CTA's
+        # global stores are visible to its threads after bar.sync; no other program reads that slot in this launch).
         cos_sin = Cos_sin + tl.load(Positions + req).to(tl.int64) * stride_cs
         q_row = Q + req * stride_qb
         q = rotated_heads(q_row, heads, head_ok, stride_qh, dims, Q_weight, eps, cos_sin, HAS_NORM, HALF, HEAD_DIM)
-        cached_end = tl.minimum(end, seq_len - 1)
+        if end == seq_len:
+            new_head = tl.full([1], 0, tl.int32) + kv_head
+            k_row = K_new + req * stride_knb
+            k = rotated_heads(
+                k_row, new_head, new_head >= 0, stride_knh, dims, K_weight, eps, cos_sin, HAS_NORM, HALF, HEAD_DIM
+            )
+            v = tl.load(V_new + req * stride_vnb + new_head[:, None] * stride_vnh + dims[None, :], mask=dim_ok[None, :])
+            slot = tl.load(Loc + req).to(tl.int64)
+            tl.store(
+                K_cache + slot * stride_kn + new_head[:, None] * stride_kh + dims[None, :],
+                k.to(K_cache.dtype.element_ty),
+                mask=dim_ok[None, :],
+            )
+            tl.store(
+                V_cache + slot * stride_vn + new_head[:, None] * stride_vh + dims[None, :],
+                v.to(V_cache.dtype.element_ty),
+                mask=dim_ok[None, :],
+            )
+        tl.debug_barrier()
     else:
         q = tl.load(
             Q + req * stride_qb + heads[:, None] * stride_qh + dims[None, :],
@@ -157,7 +174,7 @@ def _decode_split_kernel(
         acc,
         table,
         start,
-        cached_end,
+        end,
         K_cache + kv_head * stride_kh,
         V_cache + kv_head * stride_vh,
         stride_kn,
@@ -169,33 +186,6 @@ def _decode_split_kernel(
         EVEN_D,
         DOT_PRECISION,
     )
-    if PREPARE_QKV:
-        if end == seq_len:
-            new_head = tl.full([1], 0, tl.int32) + kv_head
-            k_row = K_new + req * stride_knb
-            k = rotated_heads(
-                k_row, new_head, new_head >= 0, stride_knh, dims, K_weight, eps, cos_sin, HAS_NORM, HALF, HEAD_DIM
-            )
-            v = tl.load(V_new + req * stride_vnb + new_head[:, None] * stride_vnh + dims[None, :], mask=dim_ok[None, :])
-            k = k.to(K_cache.dtype.element_ty)  # as the cache holds them, so the step reads what later steps will
-            v = v.to(V_cache.dtype.element_ty)
-            slot = tl.load(Loc + req).to(tl.int64)
-            tl.store(
-                K_cache + slot * stride_kn + new_head[:, None] * stride_kh + dims[None, :], k, mask=dim_ok[None, :]
-            )
-            tl.store(
-                V_cache + slot * stride_vn + new_head[:, None] * stride_vh + dims[None, :], v, mask=dim_ok[None, :]
-            )
-            # One more key in the online softmax (online_softmax_block's math for a block of one, from registers).
-            score = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1)
-            m_new = tl.maximum(m_i, score * qk_scale)
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(score * qk_scale - m_new)
-            l_i = l_i * alpha + p
-            p = p.to(v.dtype).to(tl.float32)  # rounded as the block's p is before its dot with V
-            acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)
-            m_i = m_new
-
     if num_splits == 1:  # the whole context in this program: the output directly, no partials and no merge launch
         tl.store(
             O + req * stride_ob + heads[:, None] * stride_oh + dims[None, :],

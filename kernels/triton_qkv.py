@@ -6,7 +6,7 @@ rotates Q and K in place (they stay strided views of the QKV output: the extend 
 and writes K and V into their KV slots. The math is fp32, rounded where the unfused kernels round (the norm's output
 to the storage dtype before the rotation), so it matches kernels/reference.py's twin, which is the unfused
 composition itself. A decode step's tokens get the same from the plain decode kernel itself when
-OPTIONS["qkv_in_decode"] is on (rotated_heads: whole-head tiles in registers, kernels/triton_attention.py).
+OPTIONS["qkv_in_decode_max_rows"] lets it (rotated_heads: whole-head tiles in registers, kernels/triton_attention.py).
 """
 
 import triton

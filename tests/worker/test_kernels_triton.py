@@ -184,8 +184,7 @@ def test_gpu_decode_layer_launches_at_most_8_kernels(config, expected):
     # device kernels with the fusions on; more with every fusion off, so that the count measures the fusions. Qwen3-8B:
     # 6 (QKV with the norm, decode split with the Q/K norms + RoPE + K/V store, decode merge, O with the residual add,
     # gate/up with the norm + SiLU, down with the residual add). Qwen3-0.6B: 8, its two norms apart (its projections
-    # launch with PDL, where the norms in them measured slower: kernels.fuses_norms). The Q/K norms + RoPE + store in
-    # the decode kernel is an option off by default until its GPU checks pass: asked for here.
+    # launch with PDL, where the norms in them measured slower: kernels.fuses_norms).
     import kernels
     from bench import kernels_per_layer as kpl
     from radixserve.layers.linear import set_gemm_split_k
@@ -195,7 +194,6 @@ def test_gpu_decode_layer_launches_at_most_8_kernels(config, expected):
     previous = dict(kernels.OPTIONS)
     try:
         set_gemm_split_k(False)
-        kernels.configure(qkv_in_decode=True)
         fused = kpl.layer_kernels(model, cfg, ctx, 1)
         kernels.configure(**kpl.UNFUSED)
         set_gemm_split_k(True)

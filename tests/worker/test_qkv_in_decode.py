@@ -1,7 +1,7 @@
 """A decode step's Q/K norms, RoPE and K/V store done by the plain decode kernel itself (kernels.PendingQKV,
-OPTIONS["qkv_in_decode"]) against their own kernel first: which steps leave them pending, and the same greedy tokens
-through the scheduler under TRITON_INTERPRET=1 (in CI) and on the GPU (gpu-marked). The kernel against its twin is
-bench/kernel_check_cases.py's decode_prepared cases (tests/worker/test_kernels_triton.py runs them)."""
+OPTIONS["qkv_in_decode_max_rows"]) against their own kernel first: which steps leave them pending, and the same greedy
+tokens through the scheduler under TRITON_INTERPRET=1 (in CI) and on the GPU (gpu-marked). The kernel against its twin
+is bench/kernel_check_cases.py's decode_prepared cases (tests/worker/test_kernels_triton.py runs them)."""
 
 import pytest
 from greedy_tokens import greedy_token_ids
@@ -55,7 +55,7 @@ def _engine_greedy(qkv_in_decode, device, arch, requests, tokens, **flags):
     from radixserve.testing.tiny_models import tiny_model_dir
     from scheduler_service.in_process_engine import InProcessEngine
 
-    previous = kernels.configure(qkv_in_decode=qkv_in_decode)
+    previous = kernels.configure(qkv_in_decode_max_rows=1 << 20 if qkv_in_decode else 0)  # on: every batch
     try:
         engine = InProcessEngine(
             str(tiny_model_dir(arch)), device=device, dtype="float32", max_total_tokens=4096, **flags
