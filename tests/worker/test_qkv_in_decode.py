@@ -51,6 +51,38 @@ def test_only_plain_decode_steps_leave_it_pending(extend_tokens, requests, token
     assert bool(attn.k_cache.abs().sum() == 0) == pending  # stored now exactly when nothing is left pending
 
 
+@pytest.mark.parametrize("batch,in_kernel", [(2, True), (3, False)])
+def test_decode_steps_past_the_row_limit_run_the_qkv_kernel_first(monkeypatch, batch, in_kernel):
+    # qkv_in_decode_max_rows: up to that many requests the pending prep goes to the decode kernel (here the CPU twin,
+    # which does it itself); past it kernels.decode_attention runs qk_norm_rope_store before handing the step on.
+    first = []
+    store = kernels.qk_norm_rope_store
+    monkeypatch.setattr(kernels, "qk_norm_rope_store", lambda *args: first.append(True) or store(*args))
+    q, k, v = torch.randn(batch, 4, 16), torch.randn(batch, 2, 16), torch.randn(batch, 2, 16)
+    k_cache, v_cache = torch.zeros(16, 2, 16), torch.zeros(16, 2, 16)
+    pending = kernels.PendingQKV(
+        k,
+        v,
+        torch.zeros(batch, dtype=torch.int64),
+        torch.randn(64, 16),
+        None,
+        None,
+        1e-6,
+        torch.arange(batch, dtype=torch.int32),
+    )
+    table = torch.arange(batch, dtype=torch.int32)[:, None]  # each request's one token: its new slot
+    lens = torch.ones(batch, dtype=torch.int32)
+    previous = kernels.configure(qkv_in_decode_max_rows=2)
+    try:
+        kernels.decode_attention(
+            q, k_cache, v_cache, torch.empty_like(q), table, torch.arange(batch), lens, 0.25, 8, pending
+        )
+    finally:
+        kernels.configure(**previous)
+    assert bool(first) != in_kernel
+    assert k_cache[:batch].abs().sum() > 0  # stored either way
+
+
 def _engine_greedy(qkv_in_decode, device, arch, requests, tokens, **flags):
     from radixserve.testing.tiny_models import tiny_model_dir
     from scheduler_service.in_process_engine import InProcessEngine
