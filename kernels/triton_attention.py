@@ -111,7 +111,8 @@ def decode_attention(
     pending=None,
 ):
     """pending (kernels.PendingQKV): q and the new tokens' K/V as the QKV projection left them; the kernel does what
-    kernels.qk_norm_rope_store would have (the new token folded in from registers, its K/V stored for later steps)."""
+    kernels.qk_norm_rope_store would have (the program that ends a context stores the new token's K/V, then reads
+    them back with its slice after a barrier)."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     if bsz == 0:
