@@ -165,6 +165,7 @@ def graph_padded(b, context_len, num_groups):
     slicing = dict(
         num_prefix_splits=shared_prefix_attention.prefix_slices_bound(context_len),
         prefix_splits=torch.tensor([slices], dtype=torch.int32, device=b["q"].device),
+        live_groups=torch.tensor([b["group_prefix_lens"].shape[0]], dtype=torch.int32, device=b["q"].device),
     )
     pad = num_groups - b["group_prefix_lens"].shape[0]
     assert pad >= 0

@@ -22,8 +22,10 @@ device, a lone cache hit's, splits its keys over programs and merges them: kerne
 extend_num_splits) and norms_in_projections (at decode-sized batches each layer's two RMSNorms run inside the
 projections after them, the residual add and the sums of squares in the epilogue of the ones before: fuses_norms,
 models/llama.py) and qkv_in_decode_max_rows (a decode step of up to this many requests does its Q/K norms, RoPE and KV
-store inside the plain decode kernel, not a kernel of their own: decode_attention's pending; 0: never). The torch
-twins compute the same functions whatever the options.
+store inside the plain decode kernel, not a kernel of their own: decode_attention's pending; 0: never) and
+prefix_live_items (the shared-prefix kernel's programs walk the live groups' work items only; off: one program per
+item of the padded table: shared_prefix_attention.prefix_programs). The torch twins compute the same whatever the
+options.
 """
 
 import os
@@ -68,6 +70,7 @@ OPTIONS = {
     # 1.827 -> 1.680 at 16; Qwen3-8B within noise) and slower at 64 (0.6B 3.988 -> 4.049, 8B 10.076 -> 10.163):
     # bench/results/decode-step-h100-session19.md.
     "qkv_in_decode_max_rows": 16,
+    "prefix_live_items": True,
 }
 
 
@@ -251,6 +254,7 @@ def decode_attention_grouped(
     max_group_size,
     prefix_splits=None,
     max_prefix_splits=None,
+    live_groups=None,
 ):
     """decode_attention that reads each group's shared prefix K/V once for all its members; o in place.
 
@@ -261,8 +265,9 @@ def decode_attention_grouped(
     attention, and a batch with no group takes decode_attention itself. The host ints bound the
     suffixes (max_seq_len), prefixes and group sizes and fix the grids (constants under CUDA graphs;
     pad the group table with empty groups). All index tensors int32. prefix_splits (int32 [1], on the device) is the
-    step's count of slices per prefix, at most max_prefix_splits (a host int: the grid's): the group table's
-    (forward_context.pack_decode_groups). See kernels/shared_prefix_attention.py.
+    step's count of slices per prefix, at most max_prefix_splits (a host int: the grid's), and live_groups (int32
+    [1]) how many of the table's groups are real: both the group table's (forward_context.pack_decode_groups). See
+    kernels/shared_prefix_attention.py.
     """
     args = (q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, group_prefix_lens, group_prefix_rows)
     args += (group_member_start, group_members, req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len)
@@ -271,7 +276,11 @@ def decode_attention_grouped(
         one_launch.decode_attention_grouped(*args, max_group_size)
         return
     _shared_prefix_impl(q).decode_attention_grouped(
-        *args, max_group_size, num_prefix_splits=max_prefix_splits, prefix_splits=prefix_splits
+        *args,
+        max_group_size,
+        num_prefix_splits=max_prefix_splits,
+        prefix_splits=prefix_splits,
+        live_groups=live_groups,
     )
 
 

@@ -203,9 +203,10 @@ def decode_attention_grouped(
     max_group_size,
     num_prefix_splits=None,
     prefix_splits=None,
+    live_groups=None,
 ):
     """decode_attention, with each group's shared prefix gathered and attended once for all its members (the split
-    kernels' slicing arguments change nothing here).
+    kernels' slicing and live-group arguments change nothing here: the groups past the live ones are empty).
 
     Same three steps as kernels/shared_prefix_attention.py: every group's members (x their GQA heads)
     attend its prefix together, every request attends its own positions [suffix_start, seq_len), and

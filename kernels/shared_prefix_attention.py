@@ -5,8 +5,9 @@ once per request. Here the batch is described as G groups: a group is >= 1 reque
 P_g context positions are the same KV slots (the radix cache hands every such request the same
 slots). Its prefix is attended by all members together and the rest of each request alone:
 
-1. prefix kernel. One program = one group x one KV head x one slice of the prefix, walking the
-   group's rows BLOCK_M at a time. The rows are the group's members times the query heads of that
+1. prefix kernel. One work item = one group x one KV head x one slice of the prefix, walking the
+   group's rows BLOCK_M at a time; a fixed number of programs walk the step's live items
+   (prefix_programs). The rows are the group's members times the query heads of that
    KV head (GQA), so a tile is a small prefill-shaped problem (tiled like the extend kernel) and
    each prefix K/V row is read once per group instead of once per member. The prefix is split along
    its length when groups are few, so that the SMs fill up: the step's slice count is a device int
@@ -31,9 +32,10 @@ Inputs beside the plain decode kernel's (all int32, on the device):
   req_group [B]             the group of each request, -1 for none (consistent with group_members)
   req_suffix_start [B]      P_g of its group, or 0; must be < seq_len (the new token is its own)
   prefix_splits [1]         (optional) the slices per prefix this step, at most num_prefix_splits
+  live_groups [1]           (optional) how many of the table's groups are real: those past it are padding
 Host ints size the grids without a device sync: max_seq_len bounds every suffix, max_prefix_len
 every P_g, max_group_size every group. Under CUDA graphs pass fixed bounds and pad the group table
-with empty groups (equal member_start entries): their programs exit at once.
+with empty groups (equal member_start entries) after the live ones: no program visits them.
 
 Precision and block policy follow triton_attention (fp32 accumulation, IEEE dots for fp32). This module holds the
 launches and their policy; the kernels are in kernels/shared_prefix_kernels.py.
@@ -42,6 +44,7 @@ launches and their policy; the kernels are in kernels/shared_prefix_kernels.py.
 import torch
 import triton
 
+import kernels
 from kernels import triton_attention
 from kernels.shared_prefix_kernels import _merge_kernel, _prefix_kernel, _suffix_split_kernel
 from kernels.triton_common import (
@@ -101,6 +104,15 @@ def prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device
     return power_of_two_at_most(splits)
 
 
+def prefix_programs(items_bound, device):
+    """The prefix kernel's programs: one per work item up to the bound of the programs that run at once (the slice
+    policy's per SM); past it each program walks several items. Fixed by host bounds, so a CUDA graph keeps it.
+    kernels.OPTIONS["prefix_live_items"] off: one program per item of the table, padding included (the grid before)."""
+    if not kernels.OPTIONS["prefix_live_items"]:
+        return max(1, items_bound)
+    return max(1, min(items_bound, PREFIX_SPLITS["programs_per_sm"] * sm_count(device)))
+
+
 def prefix_slices(num_groups, max_group_size, max_prefix_len, num_q_heads, num_kv_heads, dtype, device):
     """How many slices each prefix is cut into in a step of these real bounds: the host's choice, which the group
     table carries to the kernels (forward_context.pack_decode_groups)."""
@@ -139,10 +151,12 @@ def decode_attention_grouped(
     fuse_merge=None,
     config=None,
     prefix_splits=None,
+    live_groups=None,
 ):
     """fuse_merge (default: whenever the suffix takes one split) merges inside the suffix kernel. prefix_splits: the
     step's slice count as a device int32 [1] (the group table's; default num_prefix_splits, or the policy's for these
-    bounds); num_prefix_splits then bounds it (the grid's slice dimension)."""
+    bounds); num_prefix_splits then bounds it. live_groups: how many of the table's groups are real, a device int32
+    [1] (default: all of them); the groups past it pad a CUDA graph's table and are never read."""
     bsz, hq, d = q.shape
     hkv = k_cache.shape[1]
     num_groups = group_prefix_lens.shape[0]
@@ -167,6 +181,8 @@ def decode_attention_grouped(
     p_splits = num_prefix_splits or prefix_num_splits(num_groups, hkv, m_blocks, max_prefix_len, q.device)
     if prefix_splits is None:
         prefix_splits = torch.full((1,), p_splits, dtype=torch.int32, device=q.device)
+    if live_groups is None or not kernels.OPTIONS["prefix_live_items"]:
+        live_groups = torch.full((1,), num_groups, dtype=torch.int32, device=q.device)
     fused = s_splits == 1 if fuse_merge is None else fuse_merge
     assert not fused or s_splits == 1, "the merge fuses into the suffix kernel only when it takes one split"
     first_prefix_split = 0 if fused else s_splits
@@ -182,7 +198,7 @@ def decode_attention_grouped(
     # The prefix goes first: a fused suffix kernel reads its slices. With PDL the suffix kernel starts beside it and
     # waits for it only after the request's own tokens (triton_common.wait_for_prior_kernel).
     pdl = pdl_args(q.device, "attention")
-    _prefix_kernel[(num_groups * hkv, p_splits)](
+    _prefix_kernel[(prefix_programs(num_groups * hkv * p_splits, q.device),)](
         q,
         k_cache,
         v_cache,
@@ -192,6 +208,7 @@ def decode_attention_grouped(
         group_member_start,
         group_members,
         prefix_splits,
+        live_groups,
         mid_o,
         mid_lse,
         qk_scale,

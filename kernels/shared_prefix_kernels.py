@@ -186,7 +186,14 @@ def _suffix_split_kernel(
 
 @jit(
     do_not_specialize=["first_split", "num_splits"],
-    unaligned=["Group_prefix_lens", "Group_prefix_rows", "Group_member_start", "Group_members", "Prefix_splits"],
+    unaligned=[
+        "Group_prefix_lens",
+        "Group_prefix_rows",
+        "Group_member_start",
+        "Group_members",
+        "Prefix_splits",
+        "Live_groups",
+    ],
 )
 def _prefix_kernel(
     Q,
@@ -198,6 +205,7 @@ def _prefix_kernel(
     Group_member_start,
     Group_members,
     Prefix_splits,
+    Live_groups,
     Mid_o,
     Mid_lse,
     qk_scale,
@@ -228,70 +236,73 @@ def _prefix_kernel(
     # writes until it has waited for it, and q and the own tokens' KV are complete by then.
     wait_for_prior_kernel(PDL)
     let_next_kernel_start(PDL)
-    # One program per (group, KV head, slice); a group with more rows than one tile walks its row blocks in turn,
-    # the second finding the slice's K/V in L2. The grid is sized by group count and slices alone, so the padding
-    # of a CUDA graph's table (empty groups, a group-size bound of the whole batch) costs one early exit per group
-    # and slice, not per row block as well.
-    group = tl.program_id(0) // NUM_KV_HEADS
-    kv_head = tl.program_id(0) % NUM_KV_HEADS
-    split = tl.program_id(1)
-
-    # The group's metadata in one round trip (independent loads, issued before any of them is used).
-    member0 = tl.load(Group_member_start + group)
-    member_end = tl.load(Group_member_start + group + 1)
-    prefix_len = tl.load(Group_prefix_lens + group)
-    prefix_row = tl.load(Group_prefix_rows + group)
-    step_splits = tl.load(Prefix_splits)
-    num_rows = (member_end - member0) * GROUP
-    if num_rows == 0:
-        return  # a padding group
-    split_len, live = prefix_slicing(prefix_len, step_splits, num_splits, BLOCK_N)
-    if split >= live:
-        return
-    start = split * split_len
-    end = tl.minimum(start + split_len, prefix_len)
-
-    table = Req_to_token + prefix_row.to(tl.int64) * stride_rt
+    # Work items are (group, KV head, slice) of the step's live groups (the table's first Live_groups entries: the
+    # rest pads a CUDA graph's table) and its slice count, walked by a fixed number of programs, item after item.
+    # A grid of one program per padded item instead made a CUDA graph's step dispatch thousands of programs that
+    # exit at once, and held the suffix kernel's start (PDL) until the last of them had run. Measured on an H200 in
+    # a decode-step-like graph (bench/results/prefix-items-h200.md): Qwen3-8B gsp attention 143.7 -> 133.2 us a
+    # layer, W1 53.7 -> 51.5; Qwen3-0.6B W1 55.1 -> 53.0.
+    # A group with more rows than one tile walks its row blocks in turn, the second finding the slice's K/V in L2.
+    step_splits = tl.maximum(tl.minimum(tl.load(Prefix_splits), num_splits), 1)
+    num_items = tl.load(Live_groups) * NUM_KV_HEADS * step_splits
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    slot = first_split + split
-    for first_row in range(0, num_rows, BLOCK_M):
-        # Row r of the tile is query head (r % GROUP) of this KV head, for member (r // GROUP).
-        rows = first_row + tl.arange(0, BLOCK_M)
-        row_ok = rows < num_rows
-        reqs = tl.load(Group_members + member0 + rows // GROUP, mask=row_ok, other=0).to(tl.int64)
-        heads = kv_head * GROUP + rows % GROUP
-        q = tl.load(
-            Q + reqs[:, None] * stride_qb + heads[:, None] * stride_qh + dims[None, :],
-            mask=row_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        )
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        m_i, l_i, acc = attend_table_range(
-            q,
-            m_i,
-            l_i,
-            acc,
-            table,
-            start,
-            end,
-            K_cache + kv_head * stride_kh,
-            V_cache + kv_head * stride_vh,
-            stride_kn,
-            stride_vn,
-            dims,
-            dim_ok,
-            qk_scale,
-            BLOCK_N,
-            EVEN_D,
-            DOT_PRECISION,
-        )
-        out_ptr = Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + slot * stride_mos + dims[None, :]
-        tl.store(out_ptr, (acc / l_i[:, None]).to(Mid_o.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-        tl.store(Mid_lse + reqs * stride_mlb + heads * stride_mlh + slot, m_i + tl.log2(l_i), mask=row_ok)
+    for item in range(tl.program_id(0), num_items, tl.num_programs(0)):
+        split = item % step_splits
+        group = item // step_splits // NUM_KV_HEADS
+        kv_head = item // step_splits % NUM_KV_HEADS
+        # The group's metadata in one round trip (independent loads, issued before any of them is used).
+        member0 = tl.load(Group_member_start + group)
+        member_end = tl.load(Group_member_start + group + 1)
+        prefix_len = tl.load(Group_prefix_lens + group)
+        prefix_row = tl.load(Group_prefix_rows + group)
+        num_rows = (member_end - member0) * GROUP
+        split_len, live = prefix_slicing(prefix_len, step_splits, num_splits, BLOCK_N)
+        if num_rows > 0 and split < live:  # else an empty group, or a slice past a short prefix's end
+            start = split * split_len
+            end = tl.minimum(start + split_len, prefix_len)
+            table = Req_to_token + prefix_row.to(tl.int64) * stride_rt
+            slot = first_split + split
+            for first_row in range(0, num_rows, BLOCK_M):
+                # Row r of the tile is query head (r % GROUP) of this KV head, for member (r // GROUP).
+                rows = first_row + tl.arange(0, BLOCK_M)
+                row_ok = rows < num_rows
+                reqs = tl.load(Group_members + member0 + rows // GROUP, mask=row_ok, other=0).to(tl.int64)
+                heads = kv_head * GROUP + rows % GROUP
+                q = tl.load(
+                    Q + reqs[:, None] * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_ok[:, None] & dim_ok[None, :],
+                    other=0.0,
+                )
+                m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                l_i = tl.zeros([BLOCK_M], tl.float32)
+                acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+                m_i, l_i, acc = attend_table_range(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    table,
+                    start,
+                    end,
+                    K_cache + kv_head * stride_kh,
+                    V_cache + kv_head * stride_vh,
+                    stride_kn,
+                    stride_vn,
+                    dims,
+                    dim_ok,
+                    qk_scale,
+                    BLOCK_N,
+                    EVEN_D,
+                    DOT_PRECISION,
+                )
+                out_ptr = (
+                    Mid_o + reqs[:, None] * stride_mob + heads[:, None] * stride_moh + slot * stride_mos + dims[None, :]
+                )
+                out = (acc / l_i[:, None]).to(Mid_o.dtype.element_ty)
+                tl.store(out_ptr, out, mask=row_ok[:, None] & dim_ok[None, :])
+                tl.store(Mid_lse + reqs * stride_mlb + heads * stride_mlh + slot, m_i + tl.log2(l_i), mask=row_ok)
 
 
 @jit(

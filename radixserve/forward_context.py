@@ -15,7 +15,7 @@ from radixserve.protocol import PrefixGroups, unpack_i32
 @dataclass
 class DecodeGroups:
     """kernels.decode_attention_grouped's group tables for the decode part of the batch (request indices count
-    from the first decode). Seven int32 views of one flat tensor, so that a step moves them in one copy."""
+    from the first decode). Eight int32 views of one flat tensor, so that a step moves them in one copy."""
 
     prefix_lens: torch.Tensor  # [G]
     prefix_rows: torch.Tensor  # [G]
@@ -23,6 +23,7 @@ class DecodeGroups:
     members: torch.Tensor  # [D]: the first member_start[G] are used
     req_group: torch.Tensor  # [D]
     req_suffix_start: torch.Tensor  # [D]
+    live_groups: torch.Tensor  # [1]: how many groups are real; the rest of the table pads a CUDA graph's
     prefix_splits: torch.Tensor  # [1]: slices per prefix this step, chosen by the host from the real groups
     max_prefix_len: int  # bounds every prefix_lens[g] (a constant under CUDA graphs)
     max_group_size: int  # bounds every group's size (likewise)
@@ -30,7 +31,7 @@ class DecodeGroups:
 
     @staticmethod
     def flat_size(num_groups: int, num_decodes: int) -> int:
-        return 3 * num_groups + 1 + 3 * num_decodes + 1
+        return 3 * num_groups + 1 + 3 * num_decodes + 2
 
     @classmethod
     def view(
@@ -43,7 +44,7 @@ class DecodeGroups:
         max_prefix_splits: int,
     ) -> "DecodeGroups":
         g, d = num_groups, num_decodes
-        parts = flat[: cls.flat_size(g, d)].split([g, g, g + 1, d, d, d, 1])
+        parts = flat[: cls.flat_size(g, d)].split([g, g, g + 1, d, d, d, 1, 1])
         return cls(
             *parts, max_prefix_len=max_prefix_len, max_group_size=max_group_size, max_prefix_splits=max_prefix_splits
         )
@@ -57,8 +58,9 @@ def pack_decode_groups(
     slices: Callable[[int, int, int], int] | None = None,
 ) -> tuple[np.ndarray, int, int]:
     """The flat int32 layout DecodeGroups.view reads, from the batch's PrefixGroups; the decode part starts at batch
-    index num_extend. num_groups / num_decodes pad it to a captured graph's shape: padding groups are empty (they
-    cost the kernels one early exit) and padding requests are in no group. slices(groups, largest group, longest
+    index num_extend. num_groups / num_decodes pad it to a captured graph's shape: padding groups are empty, after the
+    live ones whose count the table carries (the prefix kernel visits those only), and padding requests are in no
+    group. slices(groups, largest group, longest
     prefix) gives the step's slices per prefix from the real groups (the model's kernels.prefix_slices; default 1).
     Returns (flat, max prefix length, largest group)."""
     prefix_lens, prefix_rows = unpack_i32(groups.prefix_lens), unpack_i32(groups.prefix_rows)
@@ -80,6 +82,7 @@ def pack_decode_groups(
     req_groups[:] = -1
     req_groups[:d], suffixes[:d] = req_group, suffix_start
     max_prefix_len, max_group_size = int(prefix_lens.max(initial=0)), int(sizes.max(initial=0))
+    flat[-2] = g
     flat[-1] = slices(g, max_group_size, max_prefix_len) if slices is not None and g else 1
     return flat, max_prefix_len, max_group_size
 

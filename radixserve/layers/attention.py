@@ -110,5 +110,6 @@ class Attention(nn.Module):
                 g.max_group_size,
                 prefix_splits=g.prefix_splits,
                 max_prefix_splits=g.max_prefix_splits,
+                live_groups=g.live_groups,
             )
         return o

@@ -212,6 +212,7 @@ def test_padded_group_table_of_a_cuda_graph_gives_the_same_attention():
             4,
         )
         assert g.prefix_splits.tolist() == [2]  # the step's slicing travels in the table
+        assert g.live_groups.tolist() == [2]  # and its count of real groups, ahead of the padding
         pad = bs - 6  # padding requests read row 0 with one token, as DecodeCudaGraphs pads them
         o = torch.empty(bs, hq, d)
         kernels.decode_attention_grouped(
@@ -234,5 +235,6 @@ def test_padded_group_table_of_a_cuda_graph_gives_the_same_attention():
             g.max_group_size,
             prefix_splits=g.prefix_splits,
             max_prefix_splits=g.max_prefix_splits,
+            live_groups=g.live_groups,
         )
         torch.testing.assert_close(o[:6], plain, atol=1e-5, rtol=1e-5)
