@@ -24,8 +24,8 @@ projections after them, the residual add and the sums of squares in the epilogue
 models/llama.py) and qkv_in_decode_max_rows (a decode step of up to this many requests does its Q/K norms, RoPE and KV
 store inside the plain decode kernel, not a kernel of their own: decode_attention's pending; 0: never) and
 prefix_live_items (the shared-prefix kernel's programs walk the live groups' work items only; off: one program per
-item of the padded table: shared_prefix_attention.prefix_programs). The torch twins compute the same whatever the
-options.
+item of the padded table: shared_prefix_attention.decode_attention_grouped). The torch twins compute the same
+whatever the options.
 """
 
 import os

@@ -106,10 +106,7 @@ def prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device
 
 def prefix_programs(items_bound, device):
     """The prefix kernel's programs: one per work item up to the bound of the programs that run at once (the slice
-    policy's per SM); past it each program walks several items. Fixed by host bounds, so a CUDA graph keeps it.
-    kernels.OPTIONS["prefix_live_items"] off: one program per item of the table, padding included (the grid before)."""
-    if not kernels.OPTIONS["prefix_live_items"]:
-        return max(1, items_bound)
+    policy's per SM); past it each program walks several items. Fixed by host bounds, so a CUDA graph keeps it."""
     return max(1, min(items_bound, PREFIX_SPLITS["programs_per_sm"] * sm_count(device)))
 
 
@@ -181,8 +178,12 @@ def decode_attention_grouped(
     p_splits = num_prefix_splits or prefix_num_splits(num_groups, hkv, m_blocks, max_prefix_len, q.device)
     if prefix_splits is None:
         prefix_splits = torch.full((1,), p_splits, dtype=torch.int32, device=q.device)
-    if live_groups is None or not kernels.OPTIONS["prefix_live_items"]:
+    # OPTIONS["prefix_live_items"] off: every group of the table counts as live and each item gets its own program,
+    # padding included (the grid before).
+    live_only = kernels.OPTIONS["prefix_live_items"]
+    if live_groups is None or not live_only:
         live_groups = torch.full((1,), num_groups, dtype=torch.int32, device=q.device)
+    items_bound = num_groups * hkv * p_splits
     fused = s_splits == 1 if fuse_merge is None else fuse_merge
     assert not fused or s_splits == 1, "the merge fuses into the suffix kernel only when it takes one split"
     first_prefix_split = 0 if fused else s_splits
@@ -198,7 +199,7 @@ def decode_attention_grouped(
     # The prefix goes first: a fused suffix kernel reads its slices. With PDL the suffix kernel starts beside it and
     # waits for it only after the request's own tokens (triton_common.wait_for_prior_kernel).
     pdl = pdl_args(q.device, "attention")
-    _prefix_kernel[(prefix_programs(num_groups * hkv * p_splits, q.device),)](
+    _prefix_kernel[(prefix_programs(items_bound, q.device) if live_only else items_bound,)](
         q,
         k_cache,
         v_cache,

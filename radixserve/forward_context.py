@@ -23,7 +23,7 @@ class DecodeGroups:
     members: torch.Tensor  # [D]: the first member_start[G] are used
     req_group: torch.Tensor  # [D]
     req_suffix_start: torch.Tensor  # [D]
-    live_groups: torch.Tensor  # [1]: how many groups are real; the rest of the table pads a CUDA graph's
+    live_groups: torch.Tensor  # [1]: how many groups are real (the first ones); the rest pads a CUDA graph's table
     prefix_splits: torch.Tensor  # [1]: slices per prefix this step, chosen by the host from the real groups
     max_prefix_len: int  # bounds every prefix_lens[g] (a constant under CUDA graphs)
     max_group_size: int  # bounds every group's size (likewise)
@@ -60,9 +60,8 @@ def pack_decode_groups(
     """The flat int32 layout DecodeGroups.view reads, from the batch's PrefixGroups; the decode part starts at batch
     index num_extend. num_groups / num_decodes pad it to a captured graph's shape: padding groups are empty, after the
     live ones whose count the table carries (the prefix kernel visits those only), and padding requests are in no
-    group. slices(groups, largest group, longest
-    prefix) gives the step's slices per prefix from the real groups (the model's kernels.prefix_slices; default 1).
-    Returns (flat, max prefix length, largest group)."""
+    group. slices(groups, largest group, longest prefix) gives the step's slices per prefix from the real groups (the
+    model's kernels.prefix_slices; default 1). Returns (flat, max prefix length, largest group)."""
     prefix_lens, prefix_rows = unpack_i32(groups.prefix_lens), unpack_i32(groups.prefix_rows)
     req_group = unpack_i32(groups.req_group)[num_extend:]
     suffix_start = unpack_i32(groups.req_suffix_start)[num_extend:]
