@@ -8,24 +8,24 @@ RADIXSERVE_KERNEL_BACKEND sets the default; set_backend() changes it at run time
 Triton is imported on first use only: a CPU server never pays for it, and TRITON_INTERPRET is read
 when triton is imported, so importing this package early must not freeze that choice.
 
-OPTIONS are the switches of the GPU path's optimisations, for ablations (configure(), or RADIXSERVE_KERNEL_OPTIONS
-as "name=value,..."): one_launch_decode (decode attention, plain or grouped, as one kernel that merges its own
-splits: kernels/one_launch_decode.py; off: the split + merge kernels of triton_attention.py and
-shared_prefix_attention.py), fused_qkv (Q/K norms, RoPE and the KV store as one kernel: kernels/triton_qkv.py) and
-gate_up_silu_max_rows (the MLP's gate/up projection with SiLU-and-mul fused, up to this many rows; 0: never:
-kernels/triton_mlp.py) and skinny_linear_max_rows (the other projections by one weight-streaming kernel up to this
-many rows, instead of cuBLAS; 0: never: kernels/triton_skinny_linear.py) and pdl (programmatic dependent launch on
-Hopper and later: a kernel starts beside the one before it and waits for it only where it reads its output;
-kernels/triton_common.py) and pdl_prefetch (under pdl, the plain decode kernel asks L2 for its first K/V block
-before it waits: triton_attention.prefetches_kv) and extend_key_splits (an extend whose grid is too small for the
-device, a lone cache hit's, splits its keys over programs and merges them: kernels/triton_attention.py
-extend_num_splits) and norms_in_projections (at decode-sized batches each layer's two RMSNorms run inside the
-projections after them, the residual add and the sums of squares in the epilogue of the ones before: fuses_norms,
-models/llama.py) and qkv_in_decode_max_rows (a decode step of up to this many requests does its Q/K norms, RoPE and KV
-store inside the plain decode kernel, not a kernel of their own: decode_attention's pending; 0: never) and
-prefix_live_items (the shared-prefix kernel's programs walk the live groups' work items only; off: one program per
-item of the padded table: shared_prefix_attention.decode_attention_grouped). The torch twins compute the same
-whatever the options.
+OPTIONS are the switches of the GPU path's optimisations, for ablations (configure(), or RADIXSERVE_KERNEL_OPTIONS as
+"name=value,..."): one_launch_decode (decode attention, plain or grouped, as one kernel that merges its own splits:
+kernels/one_launch_decode.py; off: the split + merge kernels of triton_attention.py and shared_prefix_attention.py),
+fused_qkv (Q/K norms, RoPE and the KV store as one kernel: kernels/triton_qkv.py) and gate_up_silu_max_rows (the MLP's
+gate/up projection with SiLU-and-mul fused, up to this many rows; 0: never: kernels/triton_mlp.py) and
+skinny_linear_max_rows (the other projections by one weight-streaming kernel up to this many rows, instead of cuBLAS; 0:
+never: kernels/triton_skinny_linear.py) and pdl (programmatic dependent launch on Hopper and later: a kernel starts
+beside the one before it and waits for it only where it reads its output; kernels/triton_common.py) and pdl_prefetch
+(under pdl, the plain decode kernel asks L2 for its first K/V block before it waits: triton_attention.prefetches_kv) and
+extend_key_splits (an extend whose grid is too small for the device, a lone cache hit's, splits its keys over programs
+and merges them: kernels/triton_attention.py extend_num_splits) and norms_in_projections (at decode-sized batches each
+layer's two RMSNorms run inside the projections after them, the residual add and the sums of squares in the epilogue of
+the ones before: fuses_norms, models/llama.py) and qkv_in_decode_max_rows (a decode step of up to this many requests
+does its Q/K norms, RoPE and KV store inside the plain decode kernel, not a kernel of their own: decode_attention's
+pending; 0: never) and prefix_live_items (the shared-prefix kernel's programs walk the live groups' work items only;
+off: one program per item of the padded table: shared_prefix_attention.decode_attention_grouped) and
+attention_launch_replay (the layers after the first of an eager step's piecewise-graph attention replay its launches:
+kernels/launch_replay.py). The torch twins compute the same whatever the options.
 """
 
 import os
@@ -71,6 +71,7 @@ OPTIONS = {
     # bench/results/decode-step-h100-session19.md.
     "qkv_in_decode_max_rows": 16,
     "prefix_live_items": True,
+    "attention_launch_replay": True,
 }
 
 

@@ -32,6 +32,7 @@ kernels/one_launch_kernel.py, the work items' slicing and finishing in kernels/o
 import torch
 import triton
 
+from kernels.launch_replay import recordable
 from kernels import triton_attention
 from kernels.one_launch_kernel import _decode_kernel
 from kernels.triton_common import LOG2E, assert_last_dim_contiguous, dot_precision, sm_count
@@ -120,7 +121,7 @@ def _launch(
     part_o, part_lse = parts
     group = hq // hkv
     grid = (prefix_programs if items != "suffix" else 0) + (bsz * hkv * splits if items != "prefix" else 0)
-    _decode_kernel[(grid,)](
+    recordable(_decode_kernel)[(grid,)](
         q,
         k_cache,
         v_cache,

@@ -45,6 +45,7 @@ import torch
 import triton
 
 import kernels
+from kernels.launch_replay import recordable
 from kernels import triton_attention
 from kernels.shared_prefix_kernels import _merge_kernel, _prefix_kernel, _suffix_split_kernel
 from kernels.triton_common import (
@@ -199,7 +200,7 @@ def decode_attention_grouped(
     # The prefix goes first: a fused suffix kernel reads its slices. With PDL the suffix kernel starts beside it and
     # waits for it only after the request's own tokens (triton_common.wait_for_prior_kernel).
     pdl = pdl_args(q.device, "attention")
-    _prefix_kernel[(prefix_programs(items_bound, q.device) if live_only else items_bound,)](
+    recordable(_prefix_kernel)[(prefix_programs(items_bound, q.device) if live_only else items_bound,)](
         q,
         k_cache,
         v_cache,
@@ -231,7 +232,7 @@ def decode_attention_grouped(
         num_stages=pcfg["num_stages"],
         **pdl,
     )
-    _suffix_split_kernel[(bsz, hkv, s_splits)](
+    recordable(_suffix_split_kernel)[(bsz, hkv, s_splits)](
         q,
         k_cache,
         v_cache,
@@ -268,7 +269,7 @@ def decode_attention_grouped(
     )
     if fused:
         return
-    _merge_kernel[(bsz, hq)](
+    recordable(_merge_kernel)[(bsz, hq)](
         mid_o,
         mid_lse,
         o,

@@ -22,6 +22,7 @@ import triton
 
 import kernels
 
+from kernels.launch_replay import recordable
 from kernels.triton_store_kv import store_kv  # noqa: F401 (the backend's API: kernels/__init__.py)
 from kernels.triton_attention_kernels import (
     _decode_split_kernel,
@@ -134,7 +135,7 @@ def decode_attention(
     block_d = triton.next_power_of_2(d)
     mid_o = torch.empty((bsz, hq, splits, d) if splits > 1 else (1, 1, 1, d), dtype=torch.float32, device=q.device)
     mid_lse = torch.empty((bsz, hq, split_capacity(splits)), dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(bsz, hkv, splits)](
+    recordable(_decode_split_kernel)[(bsz, hkv, splits)](
         q,
         k_cache,
         v_cache,
@@ -193,7 +194,7 @@ def merge_splits(mid_o, mid_lse, o, seq_lens, block_n, pdl, min_splits=1):
     are tokens (seq_lens None: every split written)."""
     rows, hq, splits, d = mid_o.shape
     block_d = triton.next_power_of_2(d)
-    _merge_splits_kernel[(rows, hq)](
+    recordable(_merge_splits_kernel)[(rows, hq)](
         mid_o,
         mid_lse,
         o,
@@ -311,7 +312,7 @@ def extend_attention(
     else:  # placeholders, never touched (strides of the same divisibility: the same binary)
         mid_o = torch.empty((1, 1, 1, d), dtype=torch.float32, device=q.device)
         mid_lse = torch.empty((1, 1, split_capacity(1)), dtype=torch.float32, device=q.device)
-    _extend_kernel[(hkv, num_m_blocks * splits, bsz)](
+    recordable(_extend_kernel)[(hkv, num_m_blocks * splits, bsz)](
         q,
         k,
         v,

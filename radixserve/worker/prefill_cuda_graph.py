@@ -31,6 +31,8 @@ import time
 
 import torch
 
+import kernels
+from kernels.launch_replay import LaunchRecording, recording
 from radixserve.forward_context import ForwardContext, set_forward_context
 
 logger = logging.getLogger(__name__)
@@ -46,6 +48,15 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sorted({s for s in sizes if s < max_tokens} | {max_tokens}) if max_tokens >= 1 else []
 
 
+def _attention_layout(attention) -> tuple:
+    """What a layer's attention launches depend on besides the step: equal for two layers, the first's recorded
+    launches are the second's with its caches (kernels/launch_replay.py). Triton specialises on 16-byte alignment."""
+    caches = (attention.k_cache, attention.v_cache)
+    return (attention.num_heads, attention.num_kv_heads, attention.head_dim, attention.scale) + tuple(
+        (c.shape, c.stride(), c.dtype, c.data_ptr() % 16 == 0) for c in caches
+    )
+
+
 class PrefillCudaGraphs:
     def __init__(self, model: torch.nn.Module, max_tokens: int, req_to_token: torch.Tensor):
         self.model = model.model  # the LlamaModel: layers, piece()
@@ -53,6 +64,7 @@ class PrefillCudaGraphs:
         self.max_tokens = self.buckets[-1]
         self.num_layers = len(self.model.layers)
         self.attention = [layer.self_attn.attn for layer in self.model.layers]
+        self.uniform_attention = len({_attention_layout(a) for a in self.attention}) == 1
         device = req_to_token.device
         t = self.max_tokens
         attn0 = self.attention[0]
@@ -87,6 +99,11 @@ class PrefillCudaGraphs:
             len(self.whole),
             self.capture_seconds,
         )
+
+    def replays_attention(self) -> bool:
+        """Whether a step's layers after the first replay the first's attention launches: kernels.OPTIONS'
+        attention_launch_replay, and layers whose attention differs in nothing but its caches."""
+        return kernels.OPTIONS["attention_launch_replay"] and self.uniform_attention
 
     def fits(self, num_tokens: int) -> bool:
         return num_tokens <= self.max_tokens
@@ -199,11 +216,19 @@ class PrefillCudaGraphs:
             self.whole[b].replay()
             return self.whole_hidden[b][:n]
         graphs = self.graphs[b]
+        # Every layer's attention makes the same launches over the static buffers, only its caches differ: the first
+        # layer's are recorded and replayed for the others (kernels/launch_replay.py), unless the recording says no.
+        first = self.attention[0]
+        plan = LaunchRecording(first.k_cache, first.v_cache) if self.replays_attention() else None
         set_forward_context(ctx)
         try:
             for i, attention in enumerate(self.attention):
                 graphs[i].replay()
-                attention.attend(self.q[:n], self.k[:n], self.v[:n], out=self.o)
+                if i and plan is not None and plan.replayable:
+                    plan.replay(attention.k_cache, attention.v_cache)
+                    continue
+                with recording(plan if i == 0 else None):
+                    attention.attend(self.q[:n], self.k[:n], self.v[:n], out=self.o)
             graphs[-1].replay()
         finally:
             set_forward_context(None)

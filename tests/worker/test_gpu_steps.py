@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import kernels
 from radixserve.sampling import SamplingParams
 from radixserve.testing.tiny_models import tiny_model_dir
 from scheduler_service.in_process_engine import InProcessEngine
@@ -58,6 +59,11 @@ def test_same_greedy_outputs_with_overlap_and_prefill_graphs_on_or_off(config):
     assert greedy_outputs(config) == expected
     assert greedy_outputs(config, disable_prefill_cuda_graph=True) == expected
     assert greedy_outputs(config, disable_overlap_schedule=True) == expected
+    previous = kernels.configure(attention_launch_replay=False)  # the pieces' attention launched layer by layer
+    try:
+        assert greedy_outputs(config) == expected
+    finally:
+        kernels.configure(**previous)
 
 
 @pytest.mark.parametrize(
