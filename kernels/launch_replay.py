@@ -45,6 +45,7 @@ class _Launch:
 class LaunchRecording:
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor):
         self.k_cache, self.v_cache = k_cache, v_cache
+        self._cache_storages = (k_cache.untyped_storage().data_ptr(), v_cache.untyped_storage().data_ptr())
         self.launches: list[_Launch] = []
         self.replayable = _knobs is not None
         self._hook_launches = 0
@@ -57,11 +58,9 @@ class LaunchRecording:
         params = kernel.signature.parameters
         names = list(params)
         values = list(args) + [kwargs[n] if n in kwargs else params[n].default for n in names[len(args) :]]
-        k_storage = self.k_cache.untyped_storage().data_ptr()
-        v_storage = self.v_cache.untyped_storage().data_ptr()
         for value in values:
             if isinstance(value, torch.Tensor) and value is not self.k_cache and value is not self.v_cache:
-                if value.untyped_storage().data_ptr() in (k_storage, v_storage):
+                if value.untyped_storage().data_ptr() in self._cache_storages:
                     self.replayable = False  # a view of a cache: replay could not put the layer's own in its place
         grid = tuple(grid) + (1,) * (3 - len(grid))
         k_positions = [i for i, value in enumerate(values) if value is self.k_cache]

@@ -226,9 +226,9 @@ class PrefillCudaGraphs:
                 graphs[i].replay()
                 if i and plan is not None and plan.replayable:
                     plan.replay(attention.k_cache, attention.v_cache)
-                    continue
-                with recording(plan if i == 0 else None):
-                    attention.attend(self.q[:n], self.k[:n], self.v[:n], out=self.o)
+                else:
+                    with recording(plan if i == 0 else None):
+                        attention.attend(self.q[:n], self.k[:n], self.v[:n], out=self.o)
             graphs[-1].replay()
         finally:
             set_forward_context(None)

@@ -91,7 +91,7 @@ def attention_calls(device: str, dtype: torch.dtype):
     def one_launch(k_cache, v_cache, o):
         previous = kernels.configure(one_launch_decode=True)
         try:
-            kernels.decode_attention_grouped(*grouped_args(with_caches(k_cache, v_cache), o))
+            run_grouped(kernels, with_caches(k_cache, v_cache), o)
         finally:
             kernels.configure(**previous)
 
@@ -102,14 +102,6 @@ def attention_calls(device: str, dtype: torch.dtype):
         ("grouped split kernels", split_kernels, decode),
     ]
     return layers, calls + [("grouped one launch", one_launch, decode)]
-
-
-def grouped_args(b, o):
-    names = ["q", "k_cache", "v_cache"]
-    tables = ["req_to_token", "req_pool_indices", "seq_lens", "group_prefix_lens", "group_prefix_rows"]
-    tables += ["group_member_start", "group_members", "req_group", "req_suffix_start"]
-    bounds = [b["q"].shape[-1] ** -0.5, b["max_seq_len"], b["max_prefix_len"], b["max_group_size"]]
-    return [b[n] for n in names] + [o] + [b[n] for n in tables] + bounds
 
 
 def replay_against_direct(device: str, dtype: torch.dtype) -> list[str]:
