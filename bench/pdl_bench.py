@@ -62,7 +62,7 @@ def main() -> int:
                     triton_common.PDL_KINDS.clear()
                     triton_common.PDL_KINDS.update(kinds)
                     spa.PREFIX_SPLITS.update(defaults[1])
-                    if per_sm is not None:  # forced: the policy would pick 1 under PDL
+                    if per_sm is not None:  # forced (the policy's is PREFIX_SPLITS's own, 2)
                         spa.PREFIX_SPLITS["programs_per_sm"] = per_sm
                     ctx, ids, positions = kpl.decode_step(model, cfg, requests, shared, own)
                     seconds, _ = kpl.step(model, ctx, ids, positions)

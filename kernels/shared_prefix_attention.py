@@ -57,7 +57,6 @@ from kernels.triton_common import (
     power_of_two_at_most,
     sm_count,
     split_capacity,
-    uses_pdl,
 )
 
 
@@ -96,10 +95,11 @@ def prefix_config(dtype, device):
 
 def prefix_num_splits(num_groups, num_kv_heads, m_blocks, max_prefix_len, device):
     cfg = PREFIX_SPLITS
-    # Under PDL the suffix kernel runs beside the prefix kernel: one prefix program per SM leaves it room (two fill an
-    # SM's registers). Measured on an H100, W1 decode step: Qwen3-0.6B 3.01 -> 2.73 ms, Qwen3-8B 8.61 -> 8.54 ms.
-    per_sm = 1 if uses_pdl(device, "attention") else cfg["programs_per_sm"]
-    target = per_sm * sm_count(device)
+    # Two programs an SM under PDL too. One (which left the suffix kernel room beside it) measured faster on an H100
+    # when the grid had a program per padded item; since the programs walk the live items only (prefix_programs), two
+    # measure faster on an H200 (bench/results/prefix-slices-h200.md): decode step at 8 prompts of 2,048 tokens x 4
+    # members, Qwen3-0.6B 2.23 -> 1.96 ms, Qwen3-8B 6.38 -> 6.07; W1 Qwen3-8B 1.528 -> 1.509 s.
+    target = cfg["programs_per_sm"] * sm_count(device)
     splits = triton.cdiv(target, max(1, num_groups * num_kv_heads * m_blocks))
     splits = min(splits, triton.cdiv(max(1, max_prefix_len), cfg["min_split_tokens"]), cfg["max_splits"])
     return power_of_two_at_most(splits)
