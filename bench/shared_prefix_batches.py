@@ -184,6 +184,44 @@ def graph_padded(b, context_len, num_groups):
     )
 
 
+def with_lone_groups(b, min_tokens):
+    """The batch with each request in no group whose context before its new token is min_tokens or longer made a
+    group of one, as the worker's table makes it (forward_context.lone_decode_groups, --lone-decode-min-tokens)."""
+    import numpy as np
+
+    from radixserve.forward_context import lone_decode_groups
+
+    host = {name: b[name].cpu().numpy() for name in ("group_prefix_lens", "group_prefix_rows", "req_group")}
+    lens, rows, req_group, suffix = lone_decode_groups(
+        host["group_prefix_lens"],
+        host["group_prefix_rows"],
+        host["req_group"],
+        b["req_suffix_start"].cpu().numpy(),
+        b["req_pool_indices"].cpu().numpy(),
+        b["seq_lens"].cpu().numpy(),
+        min_tokens,
+        room=b["q"].shape[0],
+    )
+    members = np.flatnonzero(req_group >= 0)
+    members = members[np.argsort(req_group[members], kind="stable")]  # by group, batch order inside one
+    sizes = np.bincount(req_group[members], minlength=len(lens))
+
+    def ints(values):
+        return torch.as_tensor(np.asarray(values, dtype=np.int32), device=b["q"].device)
+
+    return dict(
+        b,
+        group_prefix_lens=ints(lens),
+        group_prefix_rows=ints(rows),
+        group_member_start=ints(np.concatenate([[0], np.cumsum(sizes)])),
+        group_members=ints(members),
+        req_group=ints(req_group),
+        req_suffix_start=ints(suffix),
+        max_prefix_len=int(lens.max(initial=1)),
+        max_group_size=int(sizes.max(initial=1)),
+    )
+
+
 def layer_copies(b, layers, generator_seed=0):
     """`layers` batches sharing the tables but each with its own KV cache and queries, as a model's layers have:
     timing them in turn reads more than L2 holds, as a decode step does."""

@@ -18,6 +18,10 @@ prefix rows come from L2). "padded": the group table and bounds as a decode CUDA
 the context length, the batch size), which is what serving runs. A last row per shape and geometry gives the read-only
 floor of the prefix and suffix gathers (bench/kv_read_floor.py): the share no kernel reading them so can pass. The
 checks are in bench/shared_prefix_kernel_checks.py.
+
+--lone: the serving probe's geometry (8 prompts of 2,048 tokens x 4 members, 130 own tokens) with 0, 1 and 2 decodes
+in no group (whole contexts of 2,178 tokens), padded as a decode graph: the plain path, the grouped path with those
+decodes in the suffix kernel, and with them as groups of one (--lone-decode-min-tokens 512).
 """
 
 import argparse
@@ -36,6 +40,7 @@ import torch  # noqa: E402
 from bench.shared_prefix_batches import (  # noqa: E402,F401
     graph_padded,
     kv_bytes,
+    with_lone_groups,
     layer_copies,
     make_grouped_batch,
     own_bytes,
@@ -151,6 +156,33 @@ def bandwidth(shapes, geometries, layers, copy_bw, lines, paths=None):
     return results
 
 
+def lone_decodes(shapes, layers, copy_bw, lines):
+    """--lone (the module's docstring): us a layer of each path, as decode graphs run them."""
+    from kernels import shared_prefix_attention, triton_attention
+
+    g = torch.Generator().manual_seed(0)
+    lines += ["", "| shape | decodes in no group | plain | grouped | grouped, lone as groups of one |"]
+    lines += ["|---|---|---|---|---|"]
+    paths = [
+        lambda b, o: run_plain(triton_attention, b, o),
+        lambda b, o: run_grouped(shared_prefix_attention, b["padded"], o),
+        lambda b, o: run_grouped(shared_prefix_attention, b["lone"], o),
+    ]
+    for (shape, (hq, hkv, d)), lone in itertools.product(shapes.items(), (0, 1, 2)):
+        b = make_grouped_batch([(2048, [130] * 4)] * 8, [2048 + 130] * lone, hq, hkv, d, torch.bfloat16, "cuda", g)
+        copies = layer_copies(b, layers)
+        table = max(1, b["q"].shape[0] // 2)
+        for c in copies:
+            c["padded"] = graph_padded(c, CONTEXT_LEN, table)
+            c["lone"] = graph_padded(with_lone_groups(c, 512), CONTEXT_LEN, table)
+        times = [measure("", run, {}, copies, copy_bw)[0] * 1e6 for run in paths]
+        lines.append(f"| {shape} | {lone} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+        print(f"{shape:<11} lone {lone}: plain / grouped / lone groups " + " / ".join(f"{t:.1f}" for t in times)
+              + " us/layer", flush=True)  # fmt: skip
+        del b, copies
+        torch.cuda.empty_cache()
+
+
 def floors(copies, copy_bw):
     """The read-only floor of the prefix kernel's gathers (sliced as a decode graph slices them) and of the suffix
     kernel's: what no kernel reading them so can beat (bench/kv_read_floor.py), with its share of the copy bandwidth."""
@@ -238,6 +270,7 @@ def main():
     parser.add_argument("--no-checks", action="store_true", help="bandwidth only")
     parser.add_argument("--quick-checks", action="store_true", help="GPU checks in bf16 and fp32, three shapes")
     parser.add_argument("--sweep", action="store_true", help="first sweep the one-launch kernel's blocks and policy")
+    parser.add_argument("--lone", action="store_true", help="only the serving geometry with lone decodes (docstring)")
     parser.add_argument("--layers", type=int, default=6, help="KV cache copies a timed step runs over")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="write a markdown report here")
@@ -279,9 +312,12 @@ def main():
         copy_bw = copy_bandwidth()
         lines += [f"Copy bandwidth (2 GiB device-to-device, read + written): {copy_bw / 1e9:.0f} GB/s."]
         print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
-        if args.sweep:
-            sweep("qwen3-8b", "W1", args.layers, copy_bw, lines)
-        bandwidth(attention_shapes(), GEOMETRIES, args.layers, copy_bw, lines)
+        if args.lone:
+            lone_decodes(attention_shapes(), args.layers, copy_bw, lines)
+        else:
+            if args.sweep:
+                sweep("qwen3-8b", "W1", args.layers, copy_bw, lines)
+            bandwidth(attention_shapes(), GEOMETRIES, args.layers, copy_bw, lines)
     if args.out:
         header = [
             "# Shared-prefix decode attention: correctness and bandwidth",

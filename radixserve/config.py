@@ -238,6 +238,8 @@ class ServerArgs:
         "Shortest shared prefix for which decodes read it together (the kernel "
         "breaks even at about 256 tokens and gains from 512 on an H100).",
     )
+    # Off until measured end to end (bench/results/prefix-slices-h200.md): forward_context.lone_decode_groups.
+    lone_decode_min_tokens: int = _flag(0, "A lone decode this long or longer is read as a group of one (0: off).")
     # HTTP
     host: str = _flag(
         "127.0.0.1",

@@ -56,15 +56,25 @@ def pack_decode_groups(
     num_groups: int | None = None,
     num_decodes: int | None = None,
     slices: Callable[[int, int, int], int] | None = None,
+    *,
+    decodes: tuple[np.ndarray, np.ndarray] | None = None,
+    lone_min_tokens: int = 0,
 ) -> tuple[np.ndarray, int, int]:
     """The flat int32 layout DecodeGroups.view reads, from the batch's PrefixGroups; the decode part starts at batch
     index num_extend. num_groups / num_decodes pad it to a captured graph's shape: padding groups are empty, after the
     live ones whose count the table carries (the prefix kernel visits those only), and padding requests are in no
     group. slices(groups, largest group, longest prefix) gives the step's slices per prefix from the real groups (the
-    model's kernels.prefix_slices; default 1). Returns (flat, max prefix length, largest group)."""
+    model's kernels.prefix_slices; default 1). decodes, the decodes' req_to_token rows and sequence lengths, and
+    lone_min_tokens > 0 make lone decodes groups of their own (lone_decode_groups). Returns (flat, max prefix
+    length, largest group)."""
     prefix_lens, prefix_rows = unpack_i32(groups.prefix_lens), unpack_i32(groups.prefix_rows)
     req_group = unpack_i32(groups.req_group)[num_extend:]
     suffix_start = unpack_i32(groups.req_suffix_start)[num_extend:]
+    if lone_min_tokens > 0 and decodes is not None and len(prefix_lens):
+        room = (num_groups or len(req_group)) - len(prefix_lens)
+        prefix_lens, prefix_rows, req_group, suffix_start = lone_decode_groups(
+            prefix_lens, prefix_rows, req_group, suffix_start, *decodes, lone_min_tokens, room
+        )
     g, d = len(prefix_lens), len(req_group)
     gp, dp = num_groups or g, num_decodes or d
     if gp < g or dp < d:
@@ -84,6 +94,29 @@ def pack_decode_groups(
     flat[-2] = g
     flat[-1] = slices(g, max_group_size, max_prefix_len) if slices is not None and g else 1
     return flat, max_prefix_len, max_group_size
+
+
+def lone_decode_groups(prefix_lens, prefix_rows, req_group, suffix_start, rows, seq_lens, min_tokens: int, room: int):
+    """The group tables with each decode in no group whose context before its new token is min_tokens or longer
+    made a group of its own, its prefix that context (up to room of them, the longest first).
+
+    Why: in a grouped step a decode in no group reads its whole context in the suffix kernel, whose programs are
+    sized for members' own tokens (one warp, 16-token blocks) and whose grid gives each request 1-2 of them per KV
+    head at serving batch sizes: a lone request of 2,000 tokens walks ~100 blocks in turn while the step's other
+    programs are done after a few. As a group of one its context is read by the prefix kernel, sliced over the SMs
+    like any shared prefix, and the suffix kernel reads the new token alone."""
+    lone = np.flatnonzero((req_group < 0) & (seq_lens - 1 >= min_tokens))
+    if len(lone) > room:
+        lone = np.sort(lone[np.argsort(-seq_lens[lone], kind="stable")[: max(room, 0)]])
+    if not len(lone):
+        return prefix_lens, prefix_rows, req_group, suffix_start
+    contexts = (seq_lens[lone] - 1).astype(np.int32)
+    req_group, suffix_start = req_group.copy(), suffix_start.copy()
+    req_group[lone] = len(prefix_lens) + np.arange(len(lone), dtype=np.int32)
+    suffix_start[lone] = contexts
+    prefix_lens = np.concatenate([prefix_lens, contexts])
+    prefix_rows = np.concatenate([prefix_rows, np.asarray(rows, dtype=np.int32)[lone]])
+    return prefix_lens, prefix_rows, req_group, suffix_start
 
 
 @dataclass

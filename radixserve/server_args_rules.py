@@ -49,6 +49,8 @@ def apply_rules(args: ServerArgs) -> None:
         raise ValueError(f"--cpu-logits-block-mib must be >= 0, got {args.cpu_logits_block_mib}")
     if args.shared_prefix_min_tokens < 1:
         raise ValueError(f"--shared-prefix-min-tokens must be >= 1, got {args.shared_prefix_min_tokens}")
+    if args.lone_decode_min_tokens < 0:
+        raise ValueError(f"--lone-decode-min-tokens must be >= 0 (0: off), got {args.lone_decode_min_tokens}")
     if args.max_sequences_per_request < 1:
         raise ValueError(f"--max-sequences-per-request must be >= 1, got {args.max_sequences_per_request}")
     if args.tokenizer_workers is None:

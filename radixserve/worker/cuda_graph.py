@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 def max_groups(bs: int) -> int:
-    """The group count a grouped graph of batch size bs is captured with: every group has two members or more."""
+    """The group count a grouped graph of batch size bs is captured with: every group the scheduler makes has two
+    members or more; lone decodes made groups of one (forward_context.lone_decode_groups) take the room left."""
     return max(1, bs // 2)
 
 
@@ -46,10 +47,10 @@ class DecodeCudaGraphs:
         max_bs: int,
         grouped: bool = False,
         staging=None,
-        prefix_slices=None,
+        pack_groups=pack_decode_groups,
     ):
         self.model = model
-        self.prefix_slices = prefix_slices  # pack_decode_groups's slices: each step's slices per shared prefix
+        self.pack_groups = pack_groups  # forward_context.pack_decode_groups with the model's slices and lone decodes
         self.staging = staging  # a worker.pinned_staging.PinnedStaging: each step's inputs in one copy
         self.req_to_token = req_to_token
         self.future_tokens = future_tokens
@@ -185,7 +186,7 @@ class DecodeCudaGraphs:
         ids[n:bs], pos[n:bs], rows[n:bs], lens[n:bs], slots[n:bs] = 0, 0, 0, 1, 0
         grouped = prefix_groups is not None and self.group_table is not None
         if grouped:
-            flat, _, _ = pack_decode_groups(prefix_groups, 0, max_groups(bs), bs, self.prefix_slices)
+            flat, _, _ = self.pack_groups(prefix_groups, 0, max_groups(bs), bs, decodes=(req_pool_indices, seq_lens))
             table[: len(flat)] = flat
         elif prefix_groups is not None:
             raise RuntimeError("prefix groups sent to a worker whose CUDA graphs were captured without them")

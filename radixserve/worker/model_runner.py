@@ -98,15 +98,13 @@ class ModelRunner:
             future_token_ring_size(server_args.max_running_requests), dtype=torch.int64, device=self.device
         )
         self._prompt_logprobs: dict[int, list] = {}  # by step: computed in compute_logits, sent by finish_step
-        # How many slices the grouped decode kernels cut each shared prefix into, from a step's real groups.
-        tp = get_tp_size()
-        self.prefix_slices = functools.partial(
-            kernels.prefix_slices,
-            num_q_heads=self.model_config.num_heads // tp,
-            num_kv_heads=self.model_config.kv_heads_per_rank(tp),
-            dtype=self.dtype,
-            device=self.device,
+        # A step's group table (forward_context.pack_decode_groups): slices per shared prefix, lone decodes' groups.
+        tp, heads, lone = get_tp_size(), self.model_config.num_heads, server_args.lone_decode_min_tokens
+        kv_heads = self.model_config.kv_heads_per_rank(tp)
+        slices = functools.partial(
+            kernels.prefix_slices, num_q_heads=heads // tp, num_kv_heads=kv_heads, dtype=self.dtype, device=self.device
         )
+        self.pack_groups = functools.partial(pack_decode_groups, slices=slices, lone_min_tokens=lone)
         # Every extend kernel variant a step's makeup can select, compiled now rather than by the first step that
         # selects it (kernels.compile_extend_variants); metadata laid out as prepare()'s.
         attn = self.model.model.layers[0].self_attn.attn
@@ -124,7 +122,7 @@ class ModelRunner:
                 min(server_args.cuda_graph_max_bs, server_args.max_running_requests),
                 grouped=not server_args.disable_shared_prefix_attention,
                 staging=self.staging,
-                prefix_slices=self.prefix_slices,
+                pack_groups=self.pack_groups,
             )
         self.prefill_graphs = None
         if (
@@ -180,14 +178,13 @@ class ModelRunner:
         """The batch's prefix groups as the grouped decode kernel takes them (one host-to-device copy)."""
         if batch.prefix_groups is None:
             return None
-        flat, max_prefix_len, max_group_size = pack_decode_groups(
-            batch.prefix_groups, num_extend, slices=self.prefix_slices
-        )
-        num_groups = len(unpack_i32(batch.prefix_groups.prefix_lens))
+        rows = unpack_i32(batch.req_pool_indices)[num_extend:]
+        lens = (unpack_i32(batch.prefix_lens) + unpack_i32(batch.extend_lens))[num_extend:]
+        flat, max_prefix_len, max_group_size = self.pack_groups(batch.prefix_groups, num_extend, decodes=(rows, lens))
         return DecodeGroups.view(
             self.staging.to_device(flat),
-            num_groups,
-            len(unpack_i32(batch.req_pool_indices)) - num_extend,
+            int(flat[-2]),  # the table's groups: the batch's, and lone decodes made groups of one
+            len(rows),
             max_prefix_len,
             max_group_size,
             max_prefix_splits=int(flat[-1]),
