@@ -181,6 +181,9 @@ def serve_part(tokenizer: str, repeats: int, card: dict) -> None:
         put(card, f"serve_{mode}itl_ms", [r["tpot_mean_ms"] for r in runs], 1, 2)
         put(card, f"serve_{mode}itl_chunk_ms", [r["itl_mean_ms"] for r in runs], 1, 2)
         put(card, f"serve_{mode}output_tok_s", [r["output_tok_per_s"] for r in runs], 1, 0)
+        # The closed loop's client: if its loop runs late, its TTFT includes the wait (serving_bench.loop_lag).
+        put(card, f"serve_{mode}client_cpu_share", [r["client_cpu_share"] for r in runs], 1, 3)
+        put(card, f"serve_{mode}client_loop_lag_p99_ms", [r["client_loop_lag_p99_ms"] for r in runs], 1, 2)
         put(card, f"serve_rate_{mode}ttft_p50_ms", [r["ttft_p50_ms"] for r in rate_runs], 1, 1)
         put(card, f"serve_rate_{mode}ttft_p99_ms", [r["ttft_p99_ms"] for r in rate_runs], 1, 1)
         put(card, f"serve_rate_{mode}itl_ms", [r["tpot_mean_ms"] for r in rate_runs], 1, 2)

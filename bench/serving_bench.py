@@ -83,6 +83,16 @@ def arrival_times(n: int, request_rate: float | None, seed: int = 0) -> list[flo
     return (np.cumsum(gaps) - gaps[0]).tolist()
 
 
+async def loop_lag(samples: list[float], period_s: float = 0.002) -> None:
+    """How late this client's event loop wakes a sleeper, again and again until cancelled. While the loop is late,
+    every stream's chunks wait to be read, first tokens included, and the client times the server slower than it
+    is: a closed loop that streams twice the tokens a second also keeps its client twice as busy."""
+    while True:
+        start = time.perf_counter()
+        await asyncio.sleep(period_s)
+        samples.append(time.perf_counter() - start - period_s)
+
+
 async def run_load(
     url: str, prompts: list[list[int]], output_len: int, concurrency: int, request_rate: float | None = None
 ) -> dict:
@@ -100,9 +110,12 @@ async def run_load(
             async with gate:
                 return await one_request(session, url, model, p, output_len)
 
-        start = time.perf_counter()
+        lags: list[float] = []
+        monitor = asyncio.create_task(loop_lag(lags))
+        start, cpu = time.perf_counter(), time.process_time()
         results = await asyncio.gather(*(guarded(p, at) for p, at in zip(prompts, arrivals)))
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
+        monitor.cancel()
     ttfts = sorted(r["ttft"] for r in results)
     itls = [x for r in results for x in r["itl"]]
     tpots = [r["tpot"] for r in results if r["tpot"] is not None]
@@ -120,6 +133,10 @@ async def run_load(
         "itl_p99_ms": round(1e3 * float(np.percentile(itls, 99)), 2) if itls else None,
         "tpot_mean_ms": round(1e3 * statistics.mean(tpots), 2) if tpots else None,
         "cached_prompt_share": round(cached / prompt_tokens, 3),
+        # The client's own share in the figures above: its CPU time over the run's, and its event loop's lateness.
+        "client_cpu_share": round(cpu / elapsed, 3),
+        "client_loop_lag_p50_ms": round(1e3 * float(np.percentile(lags, 50)), 2) if lags else None,
+        "client_loop_lag_p99_ms": round(1e3 * float(np.percentile(lags, 99)), 2) if lags else None,
     }
 
 
