@@ -20,8 +20,9 @@ floor of the prefix and suffix gathers (bench/kv_read_floor.py): the share no ke
 checks are in bench/shared_prefix_kernel_checks.py.
 
 --lone: the serving probe's geometry (8 prompts of 2,048 tokens x 4 members, 130 own tokens) with 0, 1 and 2 decodes
-in no group (whole contexts of 2,178 tokens), padded as a decode graph: the plain path, the grouped path with those
-decodes in the suffix kernel, and with them as groups of one (--lone-decode-min-tokens 512).
+in no group (whole contexts of 2,178 tokens), and with members of 2,048 own tokens (long histories), padded as a
+decode graph: the plain path, the grouped path with those decodes in the suffix kernel, and with them as groups of one
+(--lone-decode-min-tokens 512).
 """
 
 import argparse
@@ -161,24 +162,26 @@ def lone_decodes(shapes, layers, copy_bw, lines):
     from kernels import shared_prefix_attention, triton_attention
 
     g = torch.Generator().manual_seed(0)
-    lines += ["", "| shape | decodes in no group | plain | grouped | grouped, lone as groups of one |"]
-    lines += ["|---|---|---|---|---|"]
+    lines += ["", "| shape | own tokens | decodes in no group | plain | grouped | grouped, lone as groups of one |"]
+    lines += ["|---|---|---|---|---|---|"]
     paths = [
         lambda b, o: run_plain(triton_attention, b, o),
         lambda b, o: run_grouped(shared_prefix_attention, b["padded"], o),
         lambda b, o: run_grouped(shared_prefix_attention, b["lone"], o),
     ]
-    for (shape, (hq, hkv, d)), lone in itertools.product(shapes.items(), (0, 1, 2)):
-        b = make_grouped_batch([(2048, [130] * 4)] * 8, [2048 + 130] * lone, hq, hkv, d, torch.bfloat16, "cuda", g)
+    # (own tokens a member, lone decodes): serving's questions, and members with long own histories (multi-turn).
+    cases = [(130, 0), (130, 1), (130, 2), (2048, 0)]
+    for (shape, (hq, hkv, d)), (own, lone) in itertools.product(shapes.items(), cases):
+        b = make_grouped_batch([(2048, [own] * 4)] * 8, [2048 + own] * lone, hq, hkv, d, torch.bfloat16, "cuda", g)
         copies = layer_copies(b, layers)
         table = max(1, b["q"].shape[0] // 2)
         for c in copies:
             c["padded"] = graph_padded(c, CONTEXT_LEN, table)
             c["lone"] = graph_padded(with_lone_groups(c, 512), CONTEXT_LEN, table)
         times = [measure("", run, {}, copies, copy_bw)[0] * 1e6 for run in paths]
-        lines.append(f"| {shape} | {lone} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
-        print(f"{shape:<11} lone {lone}: plain / grouped / lone groups " + " / ".join(f"{t:.1f}" for t in times)
-              + " us/layer", flush=True)  # fmt: skip
+        lines.append(f"| {shape} | {own} | {lone} | " + " | ".join(f"{t:.1f}" for t in times) + " |")
+        print(f"{shape:<11} own {own} lone {lone}: plain / grouped / lone groups "
+              + " / ".join(f"{t:.1f}" for t in times) + " us/layer", flush=True)  # fmt: skip
         del b, copies
         torch.cuda.empty_cache()
 
