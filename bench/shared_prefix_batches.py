@@ -186,39 +186,26 @@ def graph_padded(b, context_len, num_groups):
 
 def with_lone_groups(b, min_tokens):
     """The batch with each request in no group whose context before its new token is min_tokens or longer made a
-    group of one, as the worker's table makes it (forward_context.lone_decode_groups, --lone-decode-min-tokens)."""
-    import numpy as np
+    group of one: its tables packed by the worker's own code (forward_context.pack_decode_groups with lone decodes,
+    --lone-decode-min-tokens)."""
+    from radixserve.forward_context import DecodeGroups, pack_decode_groups
+    from radixserve.protocol import PrefixGroups, pack_i32
 
-    from radixserve.forward_context import lone_decode_groups
-
-    host = {name: b[name].cpu().numpy() for name in ("group_prefix_lens", "group_prefix_rows", "req_group")}
-    lens, rows, req_group, suffix = lone_decode_groups(
-        host["group_prefix_lens"],
-        host["group_prefix_rows"],
-        host["req_group"],
-        b["req_suffix_start"].cpu().numpy(),
-        b["req_pool_indices"].cpu().numpy(),
-        b["seq_lens"].cpu().numpy(),
-        min_tokens,
-        room=b["q"].shape[0],
-    )
-    members = np.flatnonzero(req_group >= 0)
-    members = members[np.argsort(req_group[members], kind="stable")]  # by group, batch order inside one
-    sizes = np.bincount(req_group[members], minlength=len(lens))
-
-    def ints(values):
-        return torch.as_tensor(np.asarray(values, dtype=np.int32), device=b["q"].device)
-
+    names = ("group_prefix_lens", "group_prefix_rows", "req_group", "req_suffix_start")
+    groups = PrefixGroups(*(pack_i32(b[name].tolist()) for name in names))
+    decodes = (b["req_pool_indices"].cpu().numpy(), b["seq_lens"].cpu().numpy())
+    flat, max_prefix_len, max_group_size = pack_decode_groups(groups, 0, decodes=decodes, lone_min_tokens=min_tokens)
+    t = DecodeGroups.view(torch.from_numpy(flat).to(b["q"].device), int(flat[-2]), len(decodes[0]), 1, 1, 1)
     return dict(
         b,
-        group_prefix_lens=ints(lens),
-        group_prefix_rows=ints(rows),
-        group_member_start=ints(np.concatenate([[0], np.cumsum(sizes)])),
-        group_members=ints(members),
-        req_group=ints(req_group),
-        req_suffix_start=ints(suffix),
-        max_prefix_len=int(lens.max(initial=1)),
-        max_group_size=int(sizes.max(initial=1)),
+        group_prefix_lens=t.prefix_lens,
+        group_prefix_rows=t.prefix_rows,
+        group_member_start=t.member_start,
+        group_members=t.members,
+        req_group=t.req_group,
+        req_suffix_start=t.req_suffix_start,
+        max_prefix_len=max(1, max_prefix_len),
+        max_group_size=max(1, max_group_size),
     )
 
 
