@@ -184,17 +184,24 @@ def graph_padded(b, context_len, num_groups):
     )
 
 
+def prefix_groups_message(b):
+    """The batch's groups as the scheduler sends them to the workers (protocol.PrefixGroups)."""
+    from radixserve.protocol import PrefixGroups, pack_i32
+
+    names = ("group_prefix_lens", "group_prefix_rows", "req_group", "req_suffix_start")
+    return PrefixGroups(*(pack_i32(b[name].tolist()) for name in names))
+
+
 def with_lone_groups(b, min_tokens):
     """The batch with each request in no group whose context before its new token is min_tokens or longer made a
     group of one: its tables packed by the worker's own code (forward_context.pack_decode_groups with lone decodes,
     --lone-decode-min-tokens)."""
     from radixserve.forward_context import DecodeGroups, pack_decode_groups
-    from radixserve.protocol import PrefixGroups, pack_i32
 
-    names = ("group_prefix_lens", "group_prefix_rows", "req_group", "req_suffix_start")
-    groups = PrefixGroups(*(pack_i32(b[name].tolist()) for name in names))
     decodes = (b["req_pool_indices"].cpu().numpy(), b["seq_lens"].cpu().numpy())
-    flat, max_prefix_len, max_group_size = pack_decode_groups(groups, 0, decodes=decodes, lone_min_tokens=min_tokens)
+    flat, max_prefix_len, max_group_size = pack_decode_groups(
+        prefix_groups_message(b), 0, decodes=decodes, lone_min_tokens=min_tokens
+    )
     t = DecodeGroups.view(torch.from_numpy(flat).to(b["q"].device), int(flat[-2]), len(decodes[0]), 1, 1, 1)
     return dict(
         b,

@@ -96,6 +96,26 @@ def pack_decode_groups(
     return flat, max_prefix_len, max_group_size
 
 
+def batch_decode_groups(
+    groups: PrefixGroups | None,
+    num_extend: int,
+    rows: np.ndarray,
+    seq_lens: np.ndarray,
+    pack: Callable,
+    to_device: Callable[[np.ndarray], torch.Tensor],
+) -> DecodeGroups | None:
+    """An eager step's DecodeGroups (None without groups): its table packed by pack (pack_decode_groups with the
+    model's slices and lone-decode rule) from the batch's groups, rows and sequence lengths, in one copy (to_device).
+    The table's group count is its own: the batch's groups and any lone decodes made groups of one."""
+    if groups is None:
+        return None
+    decodes = (rows[num_extend:], seq_lens[num_extend:])
+    flat, max_prefix_len, max_group_size = pack(groups, num_extend, decodes=decodes)
+    return DecodeGroups.view(
+        to_device(flat), int(flat[-2]), len(decodes[0]), max_prefix_len, max_group_size, max_prefix_splits=int(flat[-1])
+    )
+
+
 def lone_decode_groups(prefix_lens, prefix_rows, req_group, suffix_start, rows, seq_lens, min_tokens: int, room: int):
     """The group tables with each decode in no group whose context before its new token is min_tokens or longer
     made a group of its own, its prefix that context (up to room of them, the longest first).

@@ -23,7 +23,7 @@ from radixserve.worker.layerwise_offload import LayerwiseOffload
 from radixserve.config import ServerArgs
 from radixserve.model_config import ModelConfig
 from radixserve.runtime.distributed import get_tp_rank, get_tp_size
-from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode_groups, set_forward_context
+from radixserve.forward_context import ForwardContext, batch_decode_groups, pack_decode_groups, set_forward_context
 from radixserve.grammar import WorkerGrammars
 from radixserve.layers.sampler import Sampler, SamplingRequestState
 from radixserve.worker.cpu_logits import CpuLogits
@@ -99,11 +99,15 @@ class ModelRunner:
         )
         self._prompt_logprobs: dict[int, list] = {}  # by step: computed in compute_logits, sent by finish_step
         # A step's group table (forward_context.pack_decode_groups): slices per shared prefix, lone decodes' groups.
-        tp, heads, lone = get_tp_size(), self.model_config.num_heads, server_args.lone_decode_min_tokens
-        kv_heads = self.model_config.kv_heads_per_rank(tp)
+        tp = get_tp_size()
         slices = functools.partial(
-            kernels.prefix_slices, num_q_heads=heads // tp, num_kv_heads=kv_heads, dtype=self.dtype, device=self.device
+            kernels.prefix_slices,
+            num_q_heads=self.model_config.num_heads // tp,
+            num_kv_heads=self.model_config.kv_heads_per_rank(tp),
+            dtype=self.dtype,
+            device=self.device,
         )
+        lone = server_args.lone_decode_min_tokens
         self.pack_groups = functools.partial(pack_decode_groups, slices=slices, lone_min_tokens=lone)
         # Every extend kernel variant a step's makeup can select, compiled now rather than by the first step that
         # selects it (kernels.compile_extend_variants); metadata laid out as prepare()'s.
@@ -172,22 +176,6 @@ class ModelRunner:
             output_counts=counts,
             seen_mask=seen,
             grammar=self.grammars.matcher(p, outputs.tolist()),
-        )
-
-    def _decode_groups(self, batch: ForwardBatch, num_extend: int) -> DecodeGroups | None:
-        """The batch's prefix groups as the grouped decode kernel takes them (one host-to-device copy)."""
-        if batch.prefix_groups is None:
-            return None
-        rows = unpack_i32(batch.req_pool_indices)[num_extend:]
-        lens = (unpack_i32(batch.prefix_lens) + unpack_i32(batch.extend_lens))[num_extend:]
-        flat, max_prefix_len, max_group_size = self.pack_groups(batch.prefix_groups, num_extend, decodes=(rows, lens))
-        return DecodeGroups.view(
-            self.staging.to_device(flat),
-            int(flat[-2]),  # the table's groups: the batch's, and lone decodes made groups of one
-            len(rows),
-            max_prefix_len,
-            max_group_size,
-            max_prefix_splits=int(flat[-1]),
         )
 
     def replays_decode_graph(self, batch: ForwardBatch) -> bool:
@@ -266,7 +254,9 @@ class ModelRunner:
             out_cache_loc=table_slots_t[: len(new_slots)],
             max_extend_len=int(extend_lens[:num_extend].max(initial=0)),
             max_seq_len=int(seq_lens[num_extend:].max(initial=0)),
-            decode_groups=self._decode_groups(batch, num_extend),
+            decode_groups=batch_decode_groups(
+                batch.prefix_groups, num_extend, rows, seq_lens, self.pack_groups, self.staging.to_device
+            ),
         )
         return StepInputs(
             batch, rows, prefix_lens, extend_lens, extend_start, input_ids, positions_t, last_index_t, ctx

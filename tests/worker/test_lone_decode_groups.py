@@ -11,7 +11,7 @@ import torch
 
 import kernels
 import radixserve.forward_context as forward_context
-from bench.shared_prefix_batches import make_grouped_batch, rel_err
+from bench.shared_prefix_batches import make_grouped_batch, prefix_groups_message, rel_err
 from radixserve.forward_context import DecodeGroups, lone_decode_groups, pack_decode_groups
 from radixserve.protocol import PrefixGroups, pack_i32
 from radixserve.sampling import SamplingParams
@@ -63,8 +63,7 @@ def lone_groups_against_plain(device: str, dtype: torch.dtype, hq: int, hkv: int
     g = torch.Generator().manual_seed(7)
     b = make_grouped_batch([(37, [2, 3, 5]), (16, [1, 4])], [90, 9, 60], hq, hkv, d, dtype, device, g)
     bs = b["q"].shape[0]
-    tables = ("group_prefix_lens", "group_prefix_rows", "req_group", "req_suffix_start")
-    groups = PrefixGroups(*(pack_i32(b[name].tolist()) for name in tables))
+    groups = prefix_groups_message(b)
     rows, seq_lens = b["req_pool_indices"].cpu().numpy(), b["seq_lens"].cpu().numpy()
     table, context = max_groups(16), 4 * b["max_seq_len"]
     flat, _, _ = pack_decode_groups(
