@@ -103,17 +103,32 @@ def batch_decode_groups(
     seq_lens: np.ndarray,
     pack: Callable,
     to_device: Callable[[np.ndarray], torch.Tensor],
+    mixed_min_saved_tokens: int = 0,
 ) -> DecodeGroups | None:
-    """An eager step's DecodeGroups (None without groups): its table packed by pack (pack_decode_groups with the
-    model's slices and lone-decode rule) from the batch's groups, rows and sequence lengths, in one copy (to_device).
-    The table's group count is its own: the batch's groups and any lone decodes made groups of one."""
-    if groups is None:
+    """An eager step's DecodeGroups (None without groups: the plain kernel): its table packed by pack
+    (pack_decode_groups with the model's slices and lone-decode rule) from the batch's groups, rows and sequence
+    lengths, in one copy (to_device). The table's group count is its own: the batch's groups and any lone decodes made
+    groups of one.
+
+    A step with prompt chunks (num_extend > 0) keeps its groups only when they spare reading mixed_min_saved_tokens
+    context tokens or more (saved_context_tokens). Why: such a step runs attention eagerly between its prefill graph
+    pieces, and at serving loads it is bound by the host's launches, where the grouped path's table and kernels cost
+    more than the prefix reads they spare (bench/results/mixed-step-groups-h200.md)."""
+    if groups is None or (num_extend and saved_context_tokens(groups, num_extend) < mixed_min_saved_tokens):
         return None
     decodes = (rows[num_extend:], seq_lens[num_extend:])
     flat, max_prefix_len, max_group_size = pack(groups, num_extend, decodes=decodes)
     return DecodeGroups.view(
         to_device(flat), int(flat[-2]), len(decodes[0]), max_prefix_len, max_group_size, max_prefix_splits=int(flat[-1])
     )
+
+
+def saved_context_tokens(groups: PrefixGroups, num_extend: int) -> int:
+    """Context tokens the decodes' groups spare reading: each group's prefix read once instead of once a member."""
+    prefix_lens = unpack_i32(groups.prefix_lens).astype(np.int64)
+    req_group = unpack_i32(groups.req_group)[num_extend:]
+    members = np.bincount(req_group[req_group >= 0], minlength=len(prefix_lens))
+    return int((prefix_lens * np.maximum(members - 1, 0)).sum())
 
 
 def lone_decode_groups(prefix_lens, prefix_rows, req_group, suffix_start, rows, seq_lens, min_tokens: int, room: int):

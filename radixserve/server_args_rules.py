@@ -50,7 +50,9 @@ def apply_rules(args: ServerArgs) -> None:
     if args.shared_prefix_min_tokens < 1:
         raise ValueError(f"--shared-prefix-min-tokens must be >= 1, got {args.shared_prefix_min_tokens}")
     if args.lone_decode_min_tokens < 0:
-        raise ValueError(f"--lone-decode-min-tokens must be >= 0 (0: off), got {args.lone_decode_min_tokens}")
+        raise ValueError(f"--lone-decode-min-tokens must be >= 0 (0: never), got {args.lone_decode_min_tokens}")
+    if (saved := args.mixed_step_groups_min_saved_tokens) < 0:
+        raise ValueError(f"--mixed-step-groups-min-saved-tokens must be >= 0 (0: always), got {saved}")
     if args.max_sequences_per_request < 1:
         raise ValueError(f"--max-sequences-per-request must be >= 1, got {args.max_sequences_per_request}")
     if args.tokenizer_workers is None:

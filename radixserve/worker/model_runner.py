@@ -255,7 +255,13 @@ class ModelRunner:
             max_extend_len=int(extend_lens[:num_extend].max(initial=0)),
             max_seq_len=int(seq_lens[num_extend:].max(initial=0)),
             decode_groups=batch_decode_groups(
-                batch.prefix_groups, num_extend, rows, seq_lens, self.pack_groups, self.staging.to_device
+                batch.prefix_groups,
+                num_extend,
+                rows,
+                seq_lens,
+                self.pack_groups,
+                self.staging.to_device,
+                self.args.mixed_step_groups_min_saved_tokens,
             ),
         )
         return StepInputs(

@@ -37,6 +37,7 @@ BOUNDS = [
     ("--cpu-logits-block-mib", "0", "-1", "--cpu-logits-block-mib must be >= 0"),
     ("--shared-prefix-min-tokens", "1", "0", "--shared-prefix-min-tokens must be >= 1"),
     ("--lone-decode-min-tokens", "0", "-1", "--lone-decode-min-tokens must be >= 0"),
+    ("--mixed-step-groups-min-saved-tokens", "0", "-1", "--mixed-step-groups-min-saved-tokens must be >= 0"),
     ("--max-sequences-per-request", "1", "0", "--max-sequences-per-request must be >= 1"),
     ("--tokenizer-workers", "1", "0", "--tokenizer-workers must be >= 1"),
     ("--chat-segment-cache-mib", "0", "-1", "--chat-segment-cache-mib must be >= 0"),
