@@ -13,6 +13,8 @@ the bucket size for a group), so that one capture serves every grouping."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import time
 
@@ -24,6 +26,23 @@ from radixserve.forward_context import DecodeGroups, ForwardContext, pack_decode
 from radixserve.protocol import PrefixGroups
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def garbage_collected_and_paused():
+    """Python's cyclic garbage collector run now, then kept from running until the block ends: around CUDA graph
+    captures. Why: torch no longer collects when a capture begins (torch.compiler.config.force_cudagraph_gc), so a
+    collection triggered by an allocation inside a capture could free a dead engine's graphs and memory pool, whose
+    release cannot be captured. Likely cause of a decode-graph capture failing with cudaErrorStreamCaptureInvalidated
+    in a GPU test run only after other tests' engines (bench/results/mixed-step-groups-h200.md)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def max_groups(bs: int) -> int:
@@ -83,7 +102,8 @@ class DecodeCudaGraphs:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # by (batch size, grouped)
         self.logits: dict[tuple[int, bool], torch.Tensor] = {}
         start = time.perf_counter()
-        self._capture_all()
+        with garbage_collected_and_paused():
+            self._capture_all()
         logger.info(
             "captured %d decode CUDA graphs (batch sizes up to %d) in %.1f s",
             len(self.graphs),

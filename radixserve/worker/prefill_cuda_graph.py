@@ -34,6 +34,7 @@ import torch
 import kernels
 from kernels.launch_replay import LaunchRecording, recording
 from radixserve.forward_context import ForwardContext, set_forward_context
+from radixserve.worker.cuda_graph import garbage_collected_and_paused
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ class PrefillCudaGraphs:
         self.whole: dict[int, torch.cuda.CUDAGraph] = {}
         self.whole_hidden: dict[int, torch.Tensor] = {}
         start = time.perf_counter()
-        self._capture_all()
+        with garbage_collected_and_paused():  # (cuda_graph.py says why)
+            self._capture_all()
         self.capture_seconds = time.perf_counter() - start
         logger.info(
             "captured %d piecewise prefill CUDA graphs (%d pieces x %d token buckets up to %d) and %d of "
