@@ -13,7 +13,7 @@ from kernels.triton_common import (
     load_rows,
     merge_partials_block,
     online_softmax_block,
-    prefetch_to_l2,
+    prefetch_kv_rows,
     wait_for_prior_kernel,
 )
 from kernels.triton_qkv import rotated_heads
@@ -108,18 +108,10 @@ def _decode_split_kernel(
         return
     table = Req_to_token + pool_row.to(tl.int64) * stride_rt
     if PREFETCH:
-        first = start + tl.arange(0, BLOCK_N)
-        first_slots = tl.load(table + first, mask=first < end, other=0).to(tl.int64)
-        # [tokens, 2]: each token's K row, then its V row: one prefetch per thread, where a [tokens] vector of
-        # pointers would repeat in every warp.
-        kv = tl.arange(0, 2)[None, :]
-        kv_rows = tl.where(
-            kv == 0,
-            K_cache + kv_head * stride_kh + first_slots[:, None] * stride_kn,
-            V_cache + kv_head * stride_vh + first_slots[:, None] * stride_vn,
-        )
         row_bytes: tl.constexpr = HEAD_DIM * K_cache.dtype.element_ty.primitive_bitwidth // 8
-        prefetch_to_l2(kv_rows, tl.full([BLOCK_N, 2], row_bytes, tl.int32))
+        prefetch_kv_rows(
+            table, start, end, K_cache, V_cache, kv_head, stride_kh, stride_vh, stride_kn, stride_vn, BLOCK_N, row_bytes
+        )
     wait_for_prior_kernel(PDL)
     let_next_kernel_start(PDL)
 

@@ -183,6 +183,36 @@ def prefetch_to_l2(ptrs, nbytes):
     )
 
 
+@triton.jit
+def prefetch_kv_rows(
+    table,
+    start,
+    end,
+    K,
+    V,
+    kv_head,
+    stride_kh,
+    stride_vh,
+    stride_kn,
+    stride_vn,
+    ROWS: tl.constexpr,
+    ROW_BYTES: tl.constexpr,
+):
+    """Asks L2 for KV head kv_head's K and V rows (ROW_BYTES each) of the table's positions [start, min(end, start +
+    ROWS)), before a kernel's PDL wait: the slots and the KV they name predate the kernel before. Positions at or past
+    end ask for slot 0's rows, the padding slot's (a harmless read). A [rows, 2] tile of pointers (each token's K row,
+    then its V row) gives one prefetch per thread, where a [rows] vector of pointers would repeat in every warp."""
+    pos = start + tl.arange(0, ROWS)
+    slots = tl.load(table + pos, mask=pos < end, other=0).to(tl.int64)
+    kv = tl.arange(0, 2)[None, :]
+    kv_rows = tl.where(
+        kv == 0,
+        K + kv_head * stride_kh + slots[:, None] * stride_kn,
+        V + kv_head * stride_vh + slots[:, None] * stride_vn,
+    )
+    prefetch_to_l2(kv_rows, tl.full([ROWS, 2], ROW_BYTES, tl.int32))
+
+
 _PDL_DEVICES: dict = {}
 
 
