@@ -48,6 +48,7 @@ def _ptx_for_sm90(prefetch_tiles):
     return compiled.asm["ptx"]
 
 
+@pytest.mark.server  # the offline compile runs ptxas, a subprocess
 def test_prefetch_is_compiled_in_only_when_asked_for():
     assert PREFETCH_PTX in _ptx_for_sm90(2)
     assert PREFETCH_PTX not in _ptx_for_sm90(0)
