@@ -114,12 +114,9 @@ def _graph_step(kernel, prefill_graph_max_tokens: int = 2048) -> str | None:
     return None if attention else "piece"
 
 
-def compile_for_h100(kernel, args, kwargs) -> float:
-    """Compiles the variant this launch selects, to an sm_90 cubin (Triton ships ptxas: no GPU needed); returns the
-    seconds it took, the cost of meeting it first in the middle of serving (on this machine's CPU). Needs a compiled
-    JITFunction kernel (not under TRITON_INTERPRET=1)."""
-    import time
-
+def compiled_for_h100(kernel, args, kwargs):
+    """The variant this launch selects, compiled to an sm_90 cubin (Triton ships ptxas: no GPU needed): Triton's
+    CompiledKernel, its PTX and SASS in .asm. Needs a compiled JITFunction kernel (not under TRITON_INTERPRET=1)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -127,10 +124,18 @@ def compile_for_h100(kernel, args, kwargs) -> float:
     binder, _ = _binder(kernel)
     bound, spec, options = binder(*args, **kwargs)
     opts, signature, constexprs, attrs = kernel._pack_args(_cuda_backend(), kwargs, bound, spec, options)
-    start = time.perf_counter()
-    triton.compile(
+    return triton.compile(
         ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", 90, 32), options=opts.__dict__
     )
+
+
+def compile_for_h100(kernel, args, kwargs) -> float:
+    """Seconds to compile the variant this launch selects for an H100 (compiled_for_h100): the cost of meeting it
+    first in the middle of serving (on this machine's CPU)."""
+    import time
+
+    start = time.perf_counter()
+    compiled_for_h100(kernel, args, kwargs)
     return time.perf_counter() - start
 
 

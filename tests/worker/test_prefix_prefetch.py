@@ -14,44 +14,40 @@ from bench import shared_prefix_batches as batches
 PREFETCH_PTX = "cp.async.bulk.prefetch.L2.global"
 
 
-def _ptx_for_sm90(prefetch_tiles):
-    """The prefix kernel's PTX at the 16-bit serving config (Qwen3-8B attention shape, PDL on), compiled offline."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+def _prefix_launch(monkeypatch):
+    """(kernel, args, kwargs) of the prefix kernel's launch by decode_attention_grouped on a small bf16 batch on the
+    CPU: its launches are recorded, not run."""
+    from kernels import shared_prefix_attention
 
-    fn = spk._prefix_kernel
-    const = dict(
-        NUM_KV_HEADS=8,
-        GROUP=4,
-        HEAD_DIM=128,
-        BLOCK_M=64,
-        BLOCK_D=128,
-        BLOCK_N=64,
-        DOT_PRECISION="tf32",
-        PDL=True,
-        PREFETCH_TILES=prefetch_tiles,
-    )
-    pointers = {"Q": "*bf16", "K_cache": "*bf16", "V_cache": "*bf16", "Mid_o": "*bf16", "Mid_lse": "*fp32"}
-    signature = {
-        name: "constexpr"
-        if name in const
-        else pointers.get(name, "*i32")
-        if name[0].isupper()
-        else "fp32"
-        if name == "qk_scale"
-        else "i32"
-        for name in fn.arg_names
-    }
-    source = ASTSource(fn=fn, signature=signature, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()})
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
-    return compiled.asm["ptx"]
+    launches = []
+
+    class Recorded:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launches.append((self.kernel, args, kwargs))
+
+    monkeypatch.setattr(shared_prefix_attention, "recordable", Recorded)
+    g = torch.Generator().manual_seed(3)
+    b = batches.make_grouped_batch([(300, [4, 9]), (64, [1, 2, 3])], [70], 32, 8, 128, torch.bfloat16, "cpu", g)
+    batches.run_grouped(shared_prefix_attention, b, torch.empty_like(b["q"]))
+    return next(launch for launch in launches if launch[0] is spk._prefix_kernel)
+
+
+def _ptx_for_sm90(launch, prefetch_tiles):
+    """The PTX of that launch's variant compiled offline for an H100, with PREFETCH_TILES set."""
+    from bench.kernel_variant_keys import compiled_for_h100
+
+    kernel, args, kwargs = launch
+    return compiled_for_h100(kernel, args, dict(kwargs, PREFETCH_TILES=prefetch_tiles)).asm["ptx"]
 
 
 @pytest.mark.server  # the offline compile runs ptxas, a subprocess
-def test_prefetch_is_compiled_in_only_when_asked_for():
-    assert PREFETCH_PTX in _ptx_for_sm90(2)
-    assert PREFETCH_PTX not in _ptx_for_sm90(0)
+def test_prefetch_is_compiled_in_only_when_asked_for(monkeypatch):
+    launch = _prefix_launch(monkeypatch)
+    assert PREFETCH_PTX in _ptx_for_sm90(launch, 2)
+    assert PREFETCH_PTX not in _ptx_for_sm90(launch, 0)
 
 
 @pytest.mark.gpu
