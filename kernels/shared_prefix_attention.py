@@ -85,12 +85,6 @@ PARTIALS_16BIT = "input"  # or "float32"
 # grid's slice dimension under a CUDA graph, where most programs of a padded table exit at once). Four slices per
 # prefix measured best on both W1 (1,024 tokens) and gsp (2,048) with 8 groups.
 PREFIX_SPLITS = {"programs_per_sm": 2, "min_split_tokens": 256, "max_splits": 8}
-# Tiles of its first work item that each prefix program asks of L2 before its PDL wait (under kernels.OPTIONS
-# "pdl_prefetch", as the plain decode kernel's first block: triton_attention.prefetches_kv), so that the prefix's KV
-# streams in while the kernel before it (the Q/K/V prep, which writes q) runs. 0: none. Built, not yet measured on a
-# GPU (bench/results/session24-h200.md): off until a device session times it (bench/shared_prefix_kernel_bench.py,
-# bench.kernels_per_layer's W1 step) against 0.
-PREFIX_PREFETCH_TILES = 0
 
 
 def prefix_config(dtype, device):
@@ -234,7 +228,6 @@ def decode_attention_grouped(
         BLOCK_D=block_d,
         BLOCK_N=pcfg["BLOCK_N"],
         DOT_PRECISION=precision,
-        PREFETCH_TILES=PREFIX_PREFETCH_TILES if triton_attention.prefetches_kv(k_cache, v_cache) else 0,
         num_warps=pcfg["num_warps"],
         num_stages=pcfg["num_stages"],
         **pdl,

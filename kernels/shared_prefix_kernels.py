@@ -11,7 +11,6 @@ from kernels.triton_common import (
     jit,
     let_next_kernel_start,
     merge_partials_block,
-    prefetch_kv_rows,
     wait_for_prior_kernel,
 )
 
@@ -232,39 +231,10 @@ def _prefix_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH_TILES: tl.constexpr = 0,
 ):
-    # q comes from the kernel before. The group table, the prefix's slots and its KV predate that kernel: with
-    # PREFETCH_TILES > 0 (shared_prefix_attention.PREFIX_PREFETCH_TILES) the first tiles of this program's first item
-    # are asked of L2 before the wait, and stream in while that kernel runs. Once it is done, the suffix kernel may
-    # start: it reads nothing this kernel writes until it has waited for it, and q and the own tokens' KV are complete.
-    if PREFETCH_TILES > 0:
-        first_splits = tl.maximum(tl.minimum(tl.load(Prefix_splits), num_splits), 1)
-        item0 = tl.program_id(0)
-        if item0 < tl.load(Live_groups) * NUM_KV_HEADS * first_splits:
-            group0 = item0 // first_splits // NUM_KV_HEADS
-            head0 = item0 // first_splits % NUM_KV_HEADS
-            len0 = tl.load(Group_prefix_lens + group0)
-            slice0, _ = prefix_slicing(len0, first_splits, num_splits, BLOCK_N)
-            start0 = item0 % first_splits * slice0  # past len0 for a slice past a short prefix: nothing but slot 0
-            table0 = Req_to_token + tl.load(Group_prefix_rows + group0).to(tl.int64) * stride_rt
-            row_bytes: tl.constexpr = HEAD_DIM * K_cache.dtype.element_ty.primitive_bitwidth // 8
-            end0 = tl.minimum(start0 + slice0, len0)
-            rows0: tl.constexpr = PREFETCH_TILES * BLOCK_N
-            prefetch_kv_rows(
-                table0,
-                start0,
-                end0,
-                K_cache,
-                V_cache,
-                head0,
-                stride_kh,
-                stride_vh,
-                stride_kn,
-                stride_vn,
-                rows0,
-                row_bytes,
-            )
+    # q comes from the kernel before. Once that is done, the suffix kernel may start: it reads nothing this kernel
+    # writes until it has waited for it, and q and the own tokens' KV are complete by then. (Asking L2 for the first
+    # tiles of each program's first item before the wait measured no faster: bench/results/session25-h200.md.)
     wait_for_prior_kernel(PDL)
     let_next_kernel_start(PDL)
     # Work items are (group, KV head, slice) of the step's live groups (the table's first Live_groups entries: the
