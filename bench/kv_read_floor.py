@@ -6,7 +6,13 @@ against it: bench/shared_prefix_kernel_bench.py prints its share beside the real
 the copy bandwidth for the prefix gathers and 89% for the suffix's on an H100; bench/results/
 shared-prefix-pipeline-h100.md). Its loop is pipelined by tl.range(num_stages=): the reads run several blocks ahead.
 
-    TRITON_INTERPRET=1 python -m bench.kv_read_floor      # CPU: the kernel's sums against torch's (the test runs this)
+The ceiling above that floor: the same number of bytes read as one contiguous buffer by a plain streaming kernel
+(no table, no gathers, no attention), each call from HBM rather than L2 (enough distinct buffers that the last call's
+bytes are evicted). A kernel share cannot be expected past it: on an H200 a 33.6 MB read, W1's prefix bytes a layer,
+reaches 76% of the copy bandwidth, the 134 MB of gsp's prefix 101% (bench/results/session25-h200.md), since a short
+read pays its ramp and its tail on fewer bytes.
+
+    TRITON_INTERPRET=1 python -m bench.kv_read_floor      # CPU: the kernels' sums against torch's (the test runs this)
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ from bench.shared_prefix_batches import make_grouped_batch  # noqa: E402
 # (BLOCK_N, num_warps, num_stages) tried per measurement; the best is the floor.
 FLOOR_CONFIGS = [(64, 4, 3), (64, 4, 4), (32, 4, 4), (32, 2, 4), (16, 2, 3), (16, 1, 3), (64, 8, 3)]
 INTERPRET_CONFIG = (16, 4, 1)
+# (programs per SM, BLOCK, num_warps, num_stages) of the contiguous read; the best is the ceiling.
+CEILING_CONFIGS = [(1, 4096, 4, 3), (2, 2048, 8, 4), (2, 2048, 4, 3), (4, 2048, 8, 4), (4, 4096, 4, 3), (8, 2048, 4, 3)]
+# Distinct buffers a timed read cycles through: at least this many bytes in all, several times an H100's or H200's
+# 50 MB of L2.
+CEILING_CYCLE_BYTES = 400_000_000
 
 
 @triton.jit
@@ -65,6 +76,53 @@ def _read_rows_kernel(
         v = tl.load(V + head * stride_vh + slots[:, None] * stride_vn + dims[None, :], mask=ok[:, None], other=0.0)
         acc += k.to(tl.float32) * v.to(tl.float32)
     tl.store(Out + tl.program_id(0), tl.sum(tl.sum(acc, 1), 0))
+
+
+@triton.jit
+def _read_contiguous_kernel(X, Out, n_per_program, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    # Program p sums elements [p * n_per_program, (p + 1) * n_per_program), BLOCK at a time, several blocks in flight.
+    base = X + tl.program_id(0).to(tl.int64) * n_per_program
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    for i in tl.range(0, n_per_program, BLOCK, num_stages=STAGES):
+        acc += tl.load(base + i + offs).to(tl.float32)
+    tl.store(Out + tl.program_id(0), tl.sum(acc, 0))
+
+
+def read_contiguous(x, programs: int, config, out=None):
+    """Launches the ceiling's kernel over the first programs x n_per_program elements of x (n_per_program: x's share
+    per program, rounded down to BLOCK); returns each program's sum."""
+    _, block, warps, stages = config
+    n_per_program = x.numel() // programs // block * block
+    out = torch.empty(programs, dtype=torch.float32, device=x.device) if out is None else out
+    _read_contiguous_kernel[(programs,)](x, out, n_per_program, BLOCK=block, STAGES=stages, num_warps=warps)
+    return out
+
+
+def ceiling_seconds(nbytes: int, configs=CEILING_CONFIGS):
+    """(best kernel seconds, its config) of a contiguous read of nbytes of bf16 from HBM (GPU): the profiler's time of
+    one call, over buffers read in turn in one CUDA graph. Configs whose rounding would leave bytes unread are
+    skipped, so each timed read covers at least 98% of nbytes (and is charged for all of them)."""
+    from bench.gpu_timing import capture, kernel_times
+
+    n = nbytes // 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    xs = [torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(max(2, -(-CEILING_CYCLE_BYTES // nbytes)))]
+    best = (float("inf"), None)
+    for config in configs:
+        programs = config[0] * sms
+        if n // programs // config[1] * config[1] * programs < 0.98 * n:
+            continue
+        out = torch.empty(programs, dtype=torch.float32, device="cuda")
+        graph = capture(
+            lambda programs=programs, config=config, out=out: [read_contiguous(x, programs, config, out) for x in xs]
+        )
+        seconds = sum(s * c for s, c in kernel_times(graph.replay).values()) / len(xs)
+        best = min(best, (seconds, config), key=lambda r: r[0])
+        del graph
+    xs.clear()
+    torch.cuda.empty_cache()
+    return best
 
 
 def items(b, which: str, slices: int = 1):
@@ -150,6 +208,13 @@ def main():
         ok = err < 1e-5
         failed += not ok
         print(f"{which} slices {slices}: {bounds[0].numel()} items, rel err {err:.1e} {'ok' if ok else 'FAIL'}")
+    # The ceiling's kernel: each program's sum over its own run of a buffer, against torch's.
+    x = torch.randn(3 * 5 * 64 + 7, generator=g).to(device)
+    got = read_contiguous(x, 3, (1, 64, 4, 1))
+    want = x[: 3 * 5 * 64].reshape(3, -1).sum(1)
+    err = ((got - want).norm() / want.norm()).item()
+    failed += err >= 1e-5
+    print(f"contiguous 3 programs: rel err {err:.1e} {'ok' if err < 1e-5 else 'FAIL'}")
     sys.exit(1 if failed else 0)
 
 

@@ -188,14 +188,17 @@ def lone_decodes(shapes, layers, copy_bw, lines):
 
 def floors(copies, copy_bw):
     """The read-only floor of the prefix kernel's gathers (sliced as a decode graph slices them) and of the suffix
-    kernel's: what no kernel reading them so can beat (bench/kv_read_floor.py), with its share of the copy bandwidth."""
-    from bench.kv_read_floor import floor_seconds
+    kernel's: what no kernel reading them so can beat (bench/kv_read_floor.py), with its share of the copy bandwidth;
+    and the ceiling of any kernel's share for that many bytes, a contiguous read of them."""
+    from bench.kv_read_floor import ceiling_seconds, floor_seconds
 
     b = copies[0]
     out = []
     for which, must, n in (("prefix", prefix_bytes(b), step_slices(b)), ("suffix", own_bytes(b), 1)):
         seconds, config = floor_seconds(copies, which, n)
         out.append(f"{which} gathers {seconds * 1e6:.1f} ({must / seconds / copy_bw:.0%}) at {config}")
+        seconds, config = ceiling_seconds(must)
+        out.append(f"{which} bytes read contiguously {seconds * 1e6:.1f} ({must / seconds / copy_bw:.0%}) at {config}")
     return "; ".join(out)
 
 
