@@ -3,7 +3,7 @@
     python -m bench.check_kernels_gpu                       # full set on the GPU (lengths up to 4,100, batch up to 256)
     python -m bench.check_kernels_gpu --out bench/results/kernels-check-h100.md
     python -m bench.check_kernels_gpu --interpret --small   # CPU, TRITON_INTERPRET=1 (what CI runs)
-    python -m bench.check_kernels_gpu --only-fused          # GPU: decode one launch, Q/K prep, projections, norms
+    python -m bench.check_kernels_gpu --only-fused          # GPU: Q/K prep, projections, norms
 
 Every case draws fresh random inputs (never zeros), scatters the KV slots at random over a cache
 larger than needed, fills the unused part of req_to_token with plausible-but-wrong slots, and
@@ -120,32 +120,6 @@ class Checker(ProjectionChecks):
         err = max(rel_err(torch, o1, o0), rel_err(torch, k1, k0), rel_err(torch, v1, v0))
         label = f"{'q/k norm, ' if norm else ''}rotary_dim {rotary_dim}, {case}"
         self.record("decode_prepared", dtype, f"Hq{hq}/Hkv{hkv} D{d}", label, err, TOLERANCE[str(dtype)[6:]])
-
-    def decode_one_launch(self, dtype, hq, hkv, d, seq_lens, case, g, num_kv_splits=None):
-        """kernels/one_launch_decode.py's plain path (splits merged in the same launch) against the reference."""
-        from kernels import one_launch_decode
-
-        torch = self.torch
-        b = make_paged_batch(torch, [s - 1 for s in seq_lens], [1] * len(seq_lens), hq, hkv, d, dtype, self.device, g)
-        args = (b["req_to_token"], b["req_pool_indices"], b["seq_lens"], d**-0.5, b["max_seq_len"])
-        ref = torch.full(b["q"].shape, float("nan"), dtype=torch.float32, device=self.device)
-        self.ref.decode_attention(b["q"], b["k_cache"], b["v_cache"], ref, *args)
-        errs = []
-        for _ in range(2):  # twice: the arrival counts must be back at 0 after a launch
-            out = torch.full_like(b["q"], float("nan"))
-            one_launch_decode.decode_attention(
-                b["q"], b["k_cache"], b["v_cache"], out, *args, num_kv_splits=num_kv_splits
-            )
-            errs.append(rel_err(torch, out, ref))
-        splits = f" splits={num_kv_splits}" if num_kv_splits else ""
-        self.record(
-            "decode_one_launch",
-            dtype,
-            f"Hq{hq}/Hkv{hkv} D{d}",
-            case + splits,
-            max(errs),
-            TOLERANCE[str(dtype).replace("torch.", "")],
-        )
 
     def qkv_prep(self, dtype, tokens, hq, hkv, d, rotary_dim, norm, g):
         """kernels/triton_qkv.py (Q/K norms + RoPE + KV store) against its twin, on strided views of one QKV row."""

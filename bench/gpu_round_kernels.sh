@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # One GPU round for issue 21's kernels, from the repository root of the device machine (an H100: python 3.12,
 # torch 2.11, triton 3.6), about 6 minutes, outputs under $OUT:
-#   1. correctness: the new kernels (one-launch decode attention, Q/K norms + RoPE + KV store, gate/up + SiLU) at
-#      model sizes against their torch twins, both grouped decode paths against the plain kernel, and the `gpu`
+#   1. correctness: the fused layer kernels (Q/K norms + RoPE + KV store, gate/up + SiLU, the projections) at
+#      model sizes against their torch twins, the grouped decode path against the plain kernel, and the `gpu`
 #      tests of the kernel test files when pytest is there (among them: at most 8 kernels per decode layer);
-#   2. shared-prefix attention: each kernel's share of the copy bandwidth for the bytes it must read, old (split)
-#      and new (one launch, two launches) paths, W1 and gsp geometries, Qwen3-8B and -0.6B shapes, after a sweep of
-#      the new kernel's blocks and policy;
+#   2. shared-prefix attention: each kernel's share of the copy bandwidth for the bytes it must read, beside the
+#      gather floor and the contiguous-read ceiling, W1 and gsp geometries, Qwen3-8B and -0.6B shapes;
 #   3. kernels per decode layer and decode-step times (Qwen3-8B and -0.6B shapes, random weights) with each fusion
 #      and cuBLAS split-K on and off, and the fused steps' logits against the unfused step's;
 #   4. the gate/up + SiLU kernel against cuBLAS + SiLU-and-mul by row count, with a tile sweep.
@@ -45,7 +44,7 @@ step 1-correctness 120 bash -c '
       -k "at_most_8 or grouped" || rc=1
   fi
   exit ${rc:-0}'
-step 2-shared-prefix 150 $PY bench/shared_prefix_kernel_bench.py --no-checks --sweep \
+step 2-shared-prefix 150 $PY bench/shared_prefix_kernel_bench.py --no-checks \
   --out "$OUT/shared-prefix-bandwidth.md"
 step 3-kernels-per-layer 100 $PY -m bench.kernels_per_layer --batches bs1 W1 --out "$OUT/kernels-per-layer.md"
 step 4-gate-up 60 $PY -m bench.gate_up_silu_bench --sweep
@@ -56,12 +55,10 @@ echo "==== failures and cut steps"
 grep -h "FAIL\|Error\|Traceback" "$OUT"/1-correctness.log | head -20
 echo "==== gate/up + SiLU (step 4)"
 grep -v "sweep" "$OUT/4-gate-up.log" 2>/dev/null | tail -16
-echo "==== sweep (step 2)"
-grep "sweep" "$OUT/2-shared-prefix.log" 2>/dev/null | tail -22
 echo "==== kernels per layer (step 3)"
 grep "kernels/layer" "$OUT/3-kernels-per-layer.log" 2>/dev/null
 echo "==== shared-prefix bandwidth (step 2)"
-grep -v "^sweep" "$OUT/2-shared-prefix.log" 2>/dev/null | tail -26
+tail -26 "$OUT/2-shared-prefix.log" 2>/dev/null
 echo "==== summary"
 cat "$SUMMARY"
 exit $FAILED

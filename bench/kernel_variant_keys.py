@@ -86,7 +86,6 @@ ATTENTION_MODULES = (
     "kernels.triton_attention",
     "kernels.triton_attention_kernels",
     "kernels.shared_prefix_kernels",
-    "kernels.one_launch_kernel",
 )
 
 
@@ -225,7 +224,6 @@ class KernelVariants:
 
         import kernels
         from kernels import (
-            one_launch_decode,
             reference,
             shared_prefix_attention,
             triton_attention,
@@ -267,11 +265,6 @@ class KernelVariants:
         self._set(kernels, "_attention_impl", lambda t: Shadow(triton_attention))
         self._set(kernels, "_elementwise_impl", lambda t: Shadow(triton_elementwise))
         self._set(kernels, "_shared_prefix_impl", lambda t: Shadow(shared_prefix_attention))
-        self._set(
-            kernels,
-            "_decode_impl",
-            lambda t: Shadow(one_launch_decode) if kernels.OPTIONS["one_launch_decode"] else None,
-        )
         fused = type(
             "Fused",
             (),
@@ -288,7 +281,7 @@ class KernelVariants:
     def _policy(self) -> None:
         import torch
 
-        from kernels import one_launch_decode as one, shared_prefix_attention as spa, triton_attention as ta, triton_mlp
+        from kernels import shared_prefix_attention as spa, triton_attention as ta, triton_mlp
         from kernels import triton_skinny_linear as skinny
 
         if self.min_split_tokens:
@@ -298,13 +291,12 @@ class KernelVariants:
             return
         gpu, bf16 = torch.device("cuda"), torch.bfloat16
         decode_config, extend_config, prefix_config = ta.decode_config, ta.extend_config, spa.prefix_config
-        for module in (ta, spa, one, skinny):
+        for module in (ta, spa, skinny):
             for name in ("sm_count", "_sm_count"):  # the latter: trees before kernels/triton_common.py
                 if hasattr(module, name):
                     self._set(module, name, lambda device: 132)
         self._set(ta, "decode_config", lambda dtype, device: decode_config(bf16, gpu))
-        one_config, mlp_config = one.decode_config, triton_mlp.gate_up_config
-        self._set(one, "decode_config", lambda dtype, device: one_config(bf16, gpu))
+        mlp_config = triton_mlp.gate_up_config
         self._set(triton_mlp, "gate_up_config", lambda dtype, device: mlp_config(bf16, gpu))
         skinny_config, skinny_splits = skinny.skinny_config, skinny.num_splits
         self._set(skinny, "skinny_config", lambda dtype, device: skinny_config(bf16, gpu))

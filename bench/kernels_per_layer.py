@@ -31,24 +31,23 @@ from radixserve.models.registry import model_class
 from radixserve.protocol import PrefixGroups, pack_i32
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-UNFUSED = dict(one_launch_decode=0, fused_qkv=0, gate_up_silu_max_rows=0, skinny_linear_max_rows=0, pdl=0)
+UNFUSED = dict(fused_qkv=0, gate_up_silu_max_rows=0, skinny_linear_max_rows=0, pdl=0)
 # name: (kernel options, cuBLAS split-K allowed)
 OPTION_SETS = {
     "unfused (before)": (UNFUSED, True),
-    "fused": ({}, True),
     "fused, no split-K": ({}, False),
     "fused, no split-K, gate/up unfused": (dict(gate_up_silu_max_rows=0), False),
     "fused, no split-K, gate/up fused to 128 rows": (dict(gate_up_silu_max_rows=128), False),
-    "Q/K fused only": (dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=0, skinny_linear_max_rows=0), True),
+    "Q/K fused only": (dict(fused_qkv=1, gate_up_silu_max_rows=0, skinny_linear_max_rows=0), True),
     "Q/K fused, gate/up fused to 16 rows": (
-        dict(one_launch_decode=0, fused_qkv=1, gate_up_silu_max_rows=16, skinny_linear_max_rows=0),
+        dict(fused_qkv=1, gate_up_silu_max_rows=16, skinny_linear_max_rows=0),
         True,
     ),
-    "serving's defaults (+ skinny projections)": (dict(one_launch_decode=0), True),
-    "serving's defaults, PDL off": (dict(one_launch_decode=0, pdl=0), True),
-    "serving's defaults, no prefetch": (dict(one_launch_decode=0, pdl_prefetch=0), True),
-    "serving's defaults, norms apart": (dict(one_launch_decode=0, norms_in_projections=0), True),
-    "serving's defaults, Q/K/V prep apart": (dict(one_launch_decode=0, qkv_in_decode_max_rows=0), True),
+    "serving's defaults (+ skinny projections)": ({}, True),
+    "serving's defaults, PDL off": (dict(pdl=0), True),
+    "serving's defaults, no prefetch": (dict(pdl_prefetch=0), True),
+    "serving's defaults, norms apart": (dict(norms_in_projections=0), True),
+    "serving's defaults, Q/K/V prep apart": (dict(qkv_in_decode_max_rows=0), True),
 }
 BATCHES = {"bs1": (1, 0, 1024), "bs16": (16, 0, 1024), "W1": (128, 1024, 128)}  # requests, shared prefix, own
 CONTEXT_LEN = 40960

@@ -50,7 +50,7 @@ def main() -> int:
         "|---|---|---|---|---|",
     ]
     defaults = (set(triton_common.PDL_KINDS), dict(spa.PREFIX_SPLITS))
-    kpl.apply({"one_launch_decode": 0}, True)
+    kpl.apply({}, True)
     for config in ns.configs:
         model, cfg = kpl.build_model(config)
         for batch in ns.batches:

@@ -1,19 +1,19 @@
-"""Shared-prefix (grouped) decode attention: correctness of both kernel paths, then each kernel's share of the copy
+"""Shared-prefix (grouped) decode attention: correctness of the grouped kernels, then each kernel's share of the copy
 bandwidth for the bytes it must read.
 
-    python bench/shared_prefix_kernel_bench.py --sweep --out bench/results/shared-prefix-bandwidth-h100.md   # GPU
+    python bench/shared_prefix_kernel_bench.py --out bench/results/shared-prefix-bandwidth-h100.md           # GPU
     python bench/shared_prefix_kernel_bench.py --check-only                                               # GPU
     TRITON_INTERPRET=1 python bench/shared_prefix_kernel_bench.py --interpret                             # CPU (CI)
 
-Paths: "split" (kernels/triton_attention.py's split + merge kernels, and kernels/shared_prefix_attention.py's prefix
-and suffix kernels) and "one launch" (kernels/one_launch_decode.py). Correctness compares each grouped path with the
-plain decode kernel on the same batch (and with the fp32 torch reference where it fits), outputs poisoned with NaN.
+Paths: "plain" (kernels/triton_attention.py's split + merge kernels) and "grouped" (kernels/shared_prefix_attention.py's
+prefix, suffix and merge kernels). Correctness compares the grouped path with the plain decode kernel on the same batch
+(and with the fp32 torch reference where it fits), outputs poisoned with NaN.
 
 Bandwidth: on the W1 geometry (8 prefixes of 1,024 tokens x 16 members, 128 own tokens each) and the gsp geometry
 (2,048-token prefixes, same groups), for the Qwen3-8B and Qwen3-0.6B attention shapes, each path runs over
 --layers copies of the KV cache in one CUDA graph (more bytes than L2 holds, as a decode step's layers are), and the
 torch profiler gives each kernel's time. A kernel's must-read bytes: each prefix once (prefix kernel), the own tokens
-(suffix kernel), both (one launch), every context (plain kernels; their share can pass 100% as members' shared
+(suffix kernel), every context (plain kernels; their share can pass 100% as members' shared
 prefix rows come from L2). "padded": the group table and bounds as a decode CUDA graph passes them (bs // 2 groups,
 the context length, the batch size), which is what serving runs. A last row per shape and geometry gives the read-only
 floor of the prefix and suffix gathers (bench/kv_read_floor.py): the share no kernel reading them so can pass. The
@@ -72,13 +72,11 @@ def attention_shapes():
     return shapes
 
 
-def path_variants(kernels_split, kernels_prefix, kernels_one):
+def path_variants(kernels_split, kernels_prefix):
     """(label, run(batch, o), must-read bytes by kernel name) of each path measured."""
     full = lambda b: kv_bytes(b, grouped=False)  # noqa: E731
-    both = lambda b: prefix_bytes(b) + own_bytes(b)  # noqa: E731
     return [
         ("plain, split + merge", lambda b, o: run_plain(kernels_split, b, o), {"_decode_split_kernel": full}),
-        ("plain, one launch", lambda b, o: run_plain(kernels_one, b, o), {"_decode_kernel": full}),
         (
             "grouped, split, exact bounds",
             lambda b, o: run_grouped(kernels_prefix, b, o),
@@ -88,16 +86,6 @@ def path_variants(kernels_split, kernels_prefix, kernels_one):
             "grouped, split, padded",
             lambda b, o: run_grouped(kernels_prefix, b["padded"], o),
             {"_prefix_kernel": prefix_bytes, "_suffix_split_kernel": own_bytes},
-        ),
-        (
-            "grouped, one launch, padded",
-            lambda b, o: run_grouped(kernels_one, b["padded"], o),
-            {"_decode_kernel": both},
-        ),
-        (
-            "grouped, two launches, padded",
-            lambda b, o: run_grouped(kernels_one, b["padded"], o, policy=dict(launches=2)),
-            {"_decode_kernel": both},
         ),
     ]
 
@@ -120,7 +108,7 @@ def measure(label, run, bytes_by_kernel, layers, copy_bw):
 
 
 def bandwidth(shapes, geometries, layers, copy_bw, lines, paths=None):
-    from kernels import one_launch_decode, shared_prefix_attention, triton_attention
+    from kernels import shared_prefix_attention, triton_attention
 
     g = torch.Generator().manual_seed(0)
     lines += [
@@ -137,7 +125,7 @@ def bandwidth(shapes, geometries, layers, copy_bw, lines, paths=None):
         copies = layer_copies(b, layers)
         for c in copies:
             c["padded"] = graph_padded(c, CONTEXT_LEN, max(1, c["q"].shape[0] // 2))
-        for label, run, must in path_variants(triton_attention, shared_prefix_attention, one_launch_decode):
+        for label, run, must in path_variants(triton_attention, shared_prefix_attention):
             if paths and label not in paths:
                 continue
             per_layer, kernels = measure(label, run, must, copies, copy_bw)
@@ -202,80 +190,12 @@ def floors(copies, copy_bw):
     return "; ".join(out)
 
 
-def sweep(shape, geometry, layers, copy_bw, lines):
-    """The one-launch kernel's blocks, then its grouped policy, on one shape and geometry (padded, as served); the
-    fastest of each is applied to kernels/one_launch_decode.py's tables for what follows."""
-    from kernels import one_launch_decode as one
-
-    hq, hkv, d = attention_shapes()[shape]
-    groups, members, prefix, own = GEOMETRIES[geometry]
-    b = make_grouped_batch(
-        [(prefix, [own] * members)] * groups, [], hq, hkv, d, torch.bfloat16, "cuda", torch.Generator().manual_seed(1)
-    )
-    copies = layer_copies(b, layers)
-    for c in copies:
-        c["padded"] = graph_padded(c, CONTEXT_LEN, c["q"].shape[0] // 2)
-    run = lambda b, o: run_grouped(one, b["padded"], o)  # noqa: E731
-    must = {"_decode_kernel": lambda b: prefix_bytes(b) + own_bytes(b)}
-    lines += [
-        "",
-        f"## Sweep of the one-launch kernel ({shape}, {geometry}, padded)",
-        "",
-        "| setting | us per layer | share |",
-        "|---|---|---|",
-    ]
-
-    def trial(text):
-        try:
-            per_layer, kernels = measure(text, run, must, copies, copy_bw)
-        except Exception as exc:  # e.g. out of shared memory
-            print(f"sweep {text}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-            return float("inf")
-        share = kernels.get("_decode_kernel", (0, 0, 0))[2] or 0
-        lines.append(f"| {text} | {per_layer * 1e6:.1f} | {share:.0%} |")
-        print(f"sweep {text}: {per_layer * 1e6:.1f} us/layer, {share:.0%}", flush=True)
-        return per_layer
-
-    base = dict(one.DECODE_CONFIG["16bit"])
-    best = (float("inf"), base)
-    for block_n, warps, stages in [
-        (64, 4, 2),
-        (64, 4, 3),
-        (64, 8, 2),
-        (64, 8, 3),
-        (32, 4, 3),
-        (128, 4, 2),
-        (128, 8, 2),
-        (64, 4, 4),
-    ]:
-        cfg = dict(base, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
-        one.DECODE_CONFIG["16bit"] = cfg
-        best = min(best, (trial(f"{cfg}"), cfg), key=lambda r: r[0])
-    one.DECODE_CONFIG["16bit"] = best[1]
-    policy = dict(one.GROUPED_POLICY)
-    best_policy = (float("inf"), policy)
-    for programs, tokens, partials, launches in [(p, t, "float32", 1) for p in (1, 2, 4) for t in (128, 256, 512)] + [
-        (2, 256, "input", 1),
-        (1, 256, "float32", 2),
-        (2, 256, "float32", 2),
-        (2, 128, "float32", 2),
-    ]:
-        pol = dict(policy, programs_per_sm=programs, slice_tokens=tokens, partials=partials, launches=launches)
-        one.GROUPED_POLICY.update(pol)
-        best_policy = min(best_policy, (trial(f"{pol}"), pol), key=lambda r: r[0])
-    one.GROUPED_POLICY.update(best_policy[1])
-    chosen = f"blocks {best[1]}, policy {best_policy[1]}"
-    lines += ["", f"Chosen and used below: {chosen}."]
-    print(f"sweep chose {chosen}", flush=True)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--interpret", action="store_true", help="CPU tensors, TRITON_INTERPRET=1, small shapes")
     parser.add_argument("--check-only", action="store_true")
     parser.add_argument("--no-checks", action="store_true", help="bandwidth only")
     parser.add_argument("--quick-checks", action="store_true", help="GPU checks in bf16 and fp32, three shapes")
-    parser.add_argument("--sweep", action="store_true", help="first sweep the one-launch kernel's blocks and policy")
     parser.add_argument("--lone", action="store_true", help="only the serving geometry with lone decodes (docstring)")
     parser.add_argument("--layers", type=int, default=6, help="KV cache copies a timed step runs over")
     parser.add_argument("--seed", type=int, default=0)
@@ -284,7 +204,7 @@ def main():
     if args.interpret and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("--interpret needs TRITON_INTERPRET=1 in the environment (triton reads it at import)")
     DEVICE[0] = "cpu" if args.interpret else "cuda"
-    from kernels import one_launch_decode, reference, shared_prefix_attention, triton_attention
+    from kernels import reference, shared_prefix_attention, triton_attention
 
     g = torch.Generator().manual_seed(args.seed)
     check_rows, lines = [], []
@@ -298,14 +218,6 @@ def main():
                 dict(num_suffix_splits=3, num_prefix_splits=4),
                 dict(num_suffix_splits=1, num_prefix_splits=3, fuse_merge=False),
                 dict(num_suffix_splits=1, num_prefix_splits=8, prefix_splits=three_slices),
-            ],
-            one_launch_decode: [
-                dict(num_suffix_splits=3, prefix_programs=3, policy=dict(slice_tokens=16, max_slices=3)),
-                dict(
-                    num_suffix_splits=2,
-                    prefix_programs=2,
-                    policy=dict(slice_tokens=16, max_slices=16, partials="input", prefix_last=True),
-                ),
             ],
         }
         print(f"{'dtype':<9} {'shape':<15} {'case':<70} {'vs plain':>10} {'vs ref':>10} {'tol':>8}")
@@ -321,8 +233,6 @@ def main():
         if args.lone:
             lone_decodes(attention_shapes(), args.layers, copy_bw, lines)
         else:
-            if args.sweep:
-                sweep("qwen3-8b", "W1", args.layers, copy_bw, lines)
             bandwidth(attention_shapes(), GEOMETRIES, args.layers, copy_bw, lines)
     if args.out:
         header = [

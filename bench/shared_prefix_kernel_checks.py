@@ -1,4 +1,4 @@
-"""The correctness half of bench/shared_prefix_kernel_bench.py: each grouped path (split kernels, one-launch kernel)
+"""The correctness half of bench/shared_prefix_kernel_bench.py: the grouped path (kernels/shared_prefix_attention.py)
 against the plain decode kernel on the same batch, and against the fp32 torch reference where it fits, outputs
 poisoned with NaN; the cases run on the GPU, or interpreter-sized on the CPU (--interpret)."""
 

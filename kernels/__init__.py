@@ -9,23 +9,22 @@ Triton is imported on first use only: a CPU server never pays for it, and TRITON
 when triton is imported, so importing this package early must not freeze that choice.
 
 OPTIONS are the switches of the GPU path's optimisations, for ablations (configure(), or RADIXSERVE_KERNEL_OPTIONS as
-"name=value,..."): one_launch_decode (decode attention, plain or grouped, as one kernel that merges its own splits:
-kernels/one_launch_decode.py; off: the split + merge kernels of triton_attention.py and shared_prefix_attention.py),
-fused_qkv (Q/K norms, RoPE and the KV store as one kernel: kernels/triton_qkv.py) and gate_up_silu_max_rows (the MLP's
-gate/up projection with SiLU-and-mul fused, up to this many rows; 0: never: kernels/triton_mlp.py) and
-skinny_linear_max_rows (the other projections by one weight-streaming kernel up to this many rows, instead of cuBLAS; 0:
-never: kernels/triton_skinny_linear.py) and pdl (programmatic dependent launch on Hopper and later: a kernel starts
-beside the one before it and waits for it only where it reads its output; kernels/triton_common.py) and pdl_prefetch
-(under pdl, the plain decode kernel asks L2 for its first K/V block before it waits: triton_attention.prefetches_kv) and
-extend_key_splits (an extend whose grid is too small for the device, a lone cache hit's, splits its keys over programs
-and merges them: kernels/triton_attention.py extend_num_splits) and norms_in_projections (at decode-sized batches each
-layer's two RMSNorms run inside the projections after them, the residual add and the sums of squares in the epilogue of
-the ones before: fuses_norms, models/llama.py) and qkv_in_decode_max_rows (a decode step of up to this many requests
-does its Q/K norms, RoPE and KV store inside the plain decode kernel, not a kernel of their own: decode_attention's
-pending; 0: never) and prefix_live_items (the shared-prefix kernel's programs walk the live groups' work items only;
-off: one program per item of the padded table: shared_prefix_attention.decode_attention_grouped) and
-attention_launch_replay (the layers after the first of an eager step's piecewise-graph attention replay its launches:
-kernels/launch_replay.py). The torch twins compute the same whatever the options.
+"name=value,..."): fused_qkv (Q/K norms, RoPE and the KV store as one kernel: kernels/triton_qkv.py) and
+gate_up_silu_max_rows (the MLP's gate/up projection with SiLU-and-mul fused, up to this many rows; 0: never:
+kernels/triton_mlp.py) and skinny_linear_max_rows (the other projections by one weight-streaming kernel up to this many
+rows, instead of cuBLAS; 0: never: kernels/triton_skinny_linear.py) and pdl (programmatic dependent launch on Hopper and
+later: a kernel starts beside the one before it and waits for it only where it reads its output;
+kernels/triton_common.py) and pdl_prefetch (under pdl, the plain decode kernel asks L2 for its first K/V block before it
+waits: triton_attention.prefetches_kv) and extend_key_splits (an extend whose grid is too small for the device, a lone
+cache hit's, splits its keys over programs and merges them: kernels/triton_attention.py extend_num_splits) and
+norms_in_projections (at decode-sized batches each layer's two RMSNorms run inside the projections after them, the
+residual add and the sums of squares in the epilogue of the ones before: fuses_norms, models/llama.py) and
+qkv_in_decode_max_rows (a decode step of up to this many requests does its Q/K norms, RoPE and KV store inside the plain
+decode kernel, not a kernel of their own: decode_attention's pending; 0: never) and prefix_live_items (the shared-prefix
+kernel's programs walk the live groups' work items only; off: one program per item of the padded table:
+shared_prefix_attention.decode_attention_grouped) and attention_launch_replay (the layers after the first of an eager
+step's piecewise-graph attention replay its launches: kernels/launch_replay.py). The torch twins compute the same
+whatever the options.
 """
 
 import os
@@ -58,7 +57,6 @@ def get_backend():
 set_backend(os.environ.get("RADIXSERVE_KERNEL_BACKEND", "auto"))
 
 OPTIONS = {
-    "one_launch_decode": True,
     "fused_qkv": True,
     "gate_up_silu_max_rows": 16,
     "skinny_linear_max_rows": 16,
@@ -112,17 +110,6 @@ def _attention_impl(tensor):
     if _use_reference(tensor):
         return reference
     return _triton()[0]
-
-
-def _decode_impl(tensor):
-    """Where decode_attention_grouped goes: the twin, the one-launch kernel, or None for the split kernels."""
-    if _use_reference(tensor):
-        return reference
-    if OPTIONS["one_launch_decode"]:
-        from kernels import one_launch_decode
-
-        return one_launch_decode
-    return None
 
 
 def _elementwise_impl(tensor):
@@ -217,9 +204,6 @@ def decode_attention(
     max_seq_len (a python int, >= every seq_len) fixes the number of KV splits; under CUDA graphs pass a
     constant (e.g. the context length) so that the captured grid stays valid.
     """
-    # Plain decodes keep the split + merge kernels: the one-launch kernel measured slower on them
-    # (H100: Qwen3-8B W1 132.0 against 128.7 us a layer, gsp 230.9 against 219.7;
-    # bench/results/shared-prefix-kernel-h100.md).
     in_kernel = OPTIONS["fused_qkv"] and q.shape[0] <= OPTIONS["qkv_in_decode_max_rows"]
     if pending is not None and not in_kernel:
         qk_norm_rope_store(*pending.store_args(q, k_cache, v_cache))  # its own kernel(s) first, as in other steps
@@ -229,7 +213,10 @@ def decode_attention(
 
 
 def _shared_prefix_impl(tensor):
-    """The split kernels' grouped path (OPTIONS["one_launch_decode"] off)."""
+    """Where decode_attention_grouped goes: the twin (which ignores the split kernels' slicing arguments) or the split
+    kernels of kernels/shared_prefix_attention.py."""
+    if _use_reference(tensor):
+        return reference
     from kernels import shared_prefix_attention
 
     return shared_prefix_attention
@@ -272,10 +259,6 @@ def decode_attention_grouped(
     """
     args = (q, k_cache, v_cache, o, req_to_token, req_pool_indices, seq_lens, group_prefix_lens, group_prefix_rows)
     args += (group_member_start, group_members, req_group, req_suffix_start, sm_scale, max_seq_len, max_prefix_len)
-    one_launch = _decode_impl(q)
-    if one_launch is not None:  # the one-launch kernel and the twin slice the prefixes themselves
-        one_launch.decode_attention_grouped(*args, max_group_size)
-        return
     _shared_prefix_impl(q).decode_attention_grouped(
         *args,
         max_group_size,

@@ -39,12 +39,6 @@ class KernelArgs:
     prefill_cuda_graph_max_tokens: int = flag(
         4096, "Largest step (new tokens) that replays piecewise prefill CUDA graphs; larger steps run eagerly."
     )
-    # Off by default: faster in isolation on the H100, slower end to end (bench/results/kernels-h100-2026-11-24/).
-    enable_one_launch_decode: bool = flag(
-        False,
-        "Shared-prefix decode attention in one launch (kernels/one_launch_decode.py) instead of prefix, suffix and "
-        "merge kernels.",
-    )
     # On by default: a decode step measured faster with them on the H100 (Qwen3-0.6B batch 1 1.745 -> 1.462 ms, W1
     # 3.82 -> 3.26 ms; Qwen3-8B 6.95 -> 6.52 and 10.11 -> 9.30 ms: bench/results/kernels-h100-2026-11-24b/).
     disable_fused_layer_kernels: bool = flag(

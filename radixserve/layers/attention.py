@@ -1,7 +1,6 @@
 """Paged attention over the token-granular KV cache: stores the new K/V into their slots, then attends through
 req_to_token: the extend kernel for prompt chunks, the split-KV decode kernel for the decodes of the batch (its
-grouped form when decodes share a prefix: kernels/shared_prefix_attention.py, or kernels/one_launch_decode.py with
---enable-one-launch-decode)."""
+grouped form when decodes share a prefix: kernels/shared_prefix_attention.py)."""
 
 from __future__ import annotations
 

@@ -55,7 +55,6 @@ class ModelRunner:
         kernels.set_backend(server_args.kernel_backend)
         fused = not server_args.disable_fused_layer_kernels
         kernels.configure(
-            one_launch_decode=server_args.enable_one_launch_decode,
             fused_qkv=fused,
             gate_up_silu_max_rows=server_args.gate_up_silu_max_rows if fused else 0,
             skinny_linear_max_rows=server_args.skinny_linear_max_rows,

@@ -33,10 +33,10 @@ def _interpreted(*argv):
 def children():
     """This module's child processes, started together by its first test that needs one: each keeps one core busy for
     4-6 s while pytest only waits, so that two cores run them side by side. Each test reads its own children."""
-    # Mode on also turns on the opt-in one-launch decode, mode off turns the fused layer kernels off, so that the audit
-    # covers every kernel either way.
+    # Mode on runs serving's defaults, mode off turns the fused layer kernels off, so that the audit covers every kernel
+    # either way.
     started = {
-        "on": _interpreted(*SECOND_RUN, "--modes", "on", "--engine-args", '{"enable_one_launch_decode": true}'),
+        "on": _interpreted(*SECOND_RUN, "--modes", "on"),
         "off": _interpreted(*SECOND_RUN, "--modes", "off", "--engine-args", '{"disable_fused_layer_kernels": true}'),
         "extend": _interpreted(*EXTEND_VARIANTS),
         "merge": _interpreted("-c", MERGE_CHECK),
@@ -80,10 +80,16 @@ def test_second_run_in_another_batch_makeup_compiles_nothing_new(children):
         assert children[mode].returncode == 0, out[-6000:]
         assert "run 2 (all at once): 0 new variant keys" in out
     # Not vacuous: start-up and the warm-up ran every kernel of the decode step (the extend kernel's variants at
-    # start-up): in mode on the grouped decode's one launch and the fused layer kernels, in mode off the plain
-    # decode's split and merge kernels and the unfused ones.
+    # start-up): in mode on the grouped decode's prefix and suffix kernels and the fused layer kernels, in mode off the
+    # plain decode's split and merge kernels and the unfused ones.
     kernels = {
-        "on": ("_decode_kernel(", "_qk_norm_rope_store_kernel(", "_gate_up_silu_kernel(", "_silu_and_mul_kernel("),
+        "on": (
+            "_prefix_kernel(",
+            "_suffix_split_kernel(",
+            "_qk_norm_rope_store_kernel(",
+            "_gate_up_silu_kernel(",
+            "_silu_and_mul_kernel(",
+        ),
         "off": (
             "_decode_split_kernel(",
             "_merge_splits_kernel(",
@@ -154,7 +160,7 @@ def test_start_up_launches_every_extend_variant_the_h100_policy_can_select():
 
 
 # The split kernels' merges fold partials 16 splits at a time: 40 plain splits, and 4 suffix + 20 prefix splits,
-# take 3 and 2; the one-launch kernel's merge walks every slot of a row.
+# take 3 and 2.
 MERGE_CHECK = r"""
 import torch
 from kernels import reference, shared_prefix_attention, triton_attention
@@ -177,13 +183,6 @@ shared_prefix_attention.decode_attention_grouped(
     q, k_cache, v_cache, grouped, table, rows, seq_lens, i32(600), i32(0), i32(0, 2), i32(0, 1), i32(0, 0),
     i32(600, 600), 0.25, 900, 600, 2, num_suffix_splits=4, num_prefix_splits=20)
 torch.testing.assert_close(grouped, expect, rtol=0, atol=1e-5)
-from kernels import one_launch_decode  # 40 splits merged slot by slot in the launch; 4 + up to 16 prefix slices
-for splits, policy in ((40, None), (4, dict(slice_tokens=16, max_slices=16, prefix_last=True))):
-    one = torch.empty_like(q)
-    one_launch_decode.decode_attention_grouped(
-        q, k_cache, v_cache, one, table, rows, seq_lens, i32(600), i32(0), i32(0, 2), i32(0, 1), i32(0, 0),
-        i32(600, 600), 0.25, 900, 600, 2, num_suffix_splits=splits, config={"BLOCK_N": 16}, policy=policy)
-    torch.testing.assert_close(one, expect, rtol=0, atol=1e-5)
 print("MERGE OK")
 """
 
@@ -267,76 +266,3 @@ def test_keys_follow_triton_rules_and_ignore_batch_metadata():
     assert key(buf[0:], q_view=shifted) != base
     assert "Req_pool_indices:*i32 any-align" in base and "num_splits:i32 free" in base
     assert "stride_rt:i32 %16" in base and "GROUP=2" in base
-
-
-def test_one_launch_decode_key_ignores_batch_makeup():
-    # The one-launch kernel: group tables at any offset, any batch size, group count, split count and prefix program
-    # count select one binary; plain and grouped steps share it.
-    from kernels import one_launch_kernel
-
-    kernel = one_launch_kernel._decode_kernel
-    buf = torch.zeros(256, dtype=torch.int32)
-    q, cache, part = torch.zeros(4, 4, 16), torch.zeros(32, 2, 16), torch.zeros(4, 4, 17, 16)
-
-    def key(offset=0, batch=4, groups=2, splits=1, programs=8, prefix_last=0, items=(True, True)):
-        tables = [buf[offset + 8 * i :] for i in range(8)]
-        args = (
-            q,
-            cache,
-            cache,
-            q,
-            buf,
-            *tables,
-            part,
-            part,
-            buf,
-            0.5,
-            64,
-            16,
-            64,
-            16,
-            32,
-            16,
-            32,
-            16,
-            256,
-            1088,
-            272,
-            16,
-            272,
-            16,
-            batch,
-            groups,
-            splits,
-            programs,
-            prefix_last,
-            256,
-            16,
-        )
-        return specialization_key(
-            kernel,
-            args,
-            dict(
-                NUM_KV_HEADS=2,
-                GQA=2,
-                HEAD_DIM=16,
-                BLOCK_D=16,
-                BLOCK_H=16,
-                BLOCK_M=16,
-                BLOCK_N=16,
-                BLOCK_G=64,
-                DOT_PRECISION="ieee",
-                PREFIX_ITEMS=items[0],
-                SUFFIX_ITEMS=items[1],
-                num_warps=4,
-                num_stages=1,
-            ),
-        )
-
-    base = key()
-    assert key(offset=3) == key(batch=1, groups=1, splits=7, programs=1) == key(batch=128, splits=32) == base
-    assert key(prefix_last=1, groups=64, programs=264) == base
-    # Plain steps: the suffix-only binary, whatever their size and split count.
-    plain = key(groups=0, programs=0, items=(False, True))
-    assert plain != base and plain == key(batch=1, groups=0, splits=64, programs=0, items=(False, True))
-    assert "Group_members:*i32 any-align" in base and "prefix_programs:i32 free" in base

@@ -56,7 +56,6 @@ def test_triton_kernels_match_reference_in_interpreter():
         "rope",
         "silu_and_mul",
         "dispatch",
-        "decode_one_launch",
         "qkv_prep",
         "gate_up_silu",
         "skinny_linear",
@@ -161,7 +160,7 @@ def test_gpu_auto_backend_dispatches_to_triton():
 @pytest.mark.gpu
 def test_gpu_fused_layer_kernels():
     # Full-size shapes of the kernels that cut a decode layer's launches: Q/K norms + RoPE + KV store, gate/up +
-    # SiLU-and-mul, and the one-launch decode attention (its splits merged in the launch, twice per batch).
+    # SiLU-and-mul.
     from kernels import reference, triton_attention
 
     check = _check_module()
@@ -172,8 +171,6 @@ def test_gpu_fused_layer_kernels():
         checker.qkv_prep(dtype, 5, 14, 2, 64, 32, False, g)
         for rows in (1, 16, 33):
             checker.gate_up(dtype, rows, 4096, 12288, g)
-        checker.decode_one_launch(dtype, 32, 8, 128, [1, 4099, 700, 5], "mixed, automatic splits", g)
-        checker.decode_one_launch(dtype, 16, 8, 128, [1, 4099, 700, 5], "forced splits", g, num_kv_splits=64)
     _assert_all_ok(checker)
 
 

@@ -1,12 +1,12 @@
 """One layer's attention launches replayed for another layer's caches (kernels/launch_replay.py).
 
-On the GPU: the extend kernel, the plain decode kernel, and both grouped decode paths (the split kernels and the
-one-launch kernel) recorded over one layer's caches and replayed over another's give that layer's outputs bit for
-bit, and a Triton launch made around recordable() makes the recording refuse to replay. Without a GPU: the binding
-of a launch's arguments (positional, keyword, defaults; launch options left out) and the caches' substitution, with a
-stand-in for Triton's compiled binary, and the interpreter's launches refused (no binary to replay), in a child
-process under TRITON_INTERPRET=1. The prefill CUDA graphs replay by default: tests/worker/test_gpu_steps.py's greedy
-outputs cover the server's path, with it on and off."""
+On the GPU: the extend kernel, the plain decode kernel and the grouped decode path (the split kernels) recorded over one
+layer's caches and replayed over another's give that layer's outputs bit for bit, and a Triton launch made around
+recordable() makes the recording refuse to replay. Without a GPU: the binding of a launch's arguments (positional,
+keyword, defaults; launch options left out) and the caches' substitution, with a stand-in for Triton's compiled binary,
+and the interpreter's launches refused (no binary to replay), in a child process under TRITON_INTERPRET=1. The prefill
+CUDA graphs replay by default: tests/worker/test_gpu_steps.py's greedy outputs cover the server's path, with it on and
+off."""
 
 import pytest
 import torch
@@ -88,20 +88,13 @@ def attention_calls(device: str, dtype: torch.dtype):
     def split_kernels(k_cache, v_cache, o):
         run_grouped(shared_prefix_attention, with_caches(k_cache, v_cache), o)
 
-    def one_launch(k_cache, v_cache, o):
-        previous = kernels.configure(one_launch_decode=True)
-        try:
-            run_grouped(kernels, with_caches(k_cache, v_cache), o)
-        finally:
-            kernels.configure(**previous)
-
     decode = b["q"].shape
     calls = [
         ("extend", extend, qe.shape),
         ("plain decode", plain, decode),
         ("grouped split kernels", split_kernels, decode),
     ]
-    return layers, calls + [("grouped one launch", one_launch, decode)]
+    return layers, calls
 
 
 def replay_against_direct(device: str, dtype: torch.dtype) -> list[str]:
@@ -141,7 +134,7 @@ def test_the_interpreters_launches_are_never_replayed():
     from interpreter_child import run_interpreted  # tests/helpers (conftest.py); not in the child itself
 
     stdout = run_interpreted(__file__)
-    assert stdout.count("not replayable in the interpreter") == 4
+    assert stdout.count("not replayable in the interpreter") == 3
 
 
 @pytest.mark.gpu
@@ -151,7 +144,6 @@ def test_gpu_replay_over_another_layers_caches_equals_a_direct_launch(dtype):
         "extend",
         "plain decode",
         "grouped split kernels",
-        "grouped one launch",
     ]
 
 

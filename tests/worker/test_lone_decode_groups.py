@@ -1,9 +1,9 @@
 """Lone decodes as groups of one (forward_context.lone_decode_groups, --lone-decode-min-tokens): in a step with
 shared-prefix groups, a decode in no group whose context is long enough is read by the prefix kernel as a group of
 its own instead of by the suffix kernel's few programs. Checked here: the tables it makes; the attention they give,
-against the plain decode kernel, through the torch twin, the split kernels and the one-launch kernel (under
-TRITON_INTERPRET=1 in a child process, and on the GPU), with the table padded as a decode CUDA graph pads it; and the
-greedy tokens through the scheduler (in process) and through a launched server, equal to the plain path's."""
+against the plain decode kernel, through the torch twin and the split kernels (under TRITON_INTERPRET=1 in a child
+process, and on the GPU), with the table padded as a decode CUDA graph pads it; and the greedy tokens through the
+scheduler (in process) and through a launched server, equal to the plain path's."""
 
 import numpy as np
 import pytest
@@ -58,8 +58,8 @@ def test_packed_table_counts_the_lone_groups_as_live():
 
 def lone_groups_against_plain(device: str, dtype: torch.dtype, hq: int, hkv: int, d: int) -> float:
     """One batch of two groups and three decodes in no group (contexts 90, 9 and 60 tokens), its group table packed
-    with lone groups as a decode graph of 16 requests pads it; the grouped attention by the split kernels and by the
-    one-launch kernel, each against the plain decode kernel. Returns the larger relative error."""
+    with lone groups as a decode graph of 16 requests pads it; the grouped attention by the split kernels against the
+    plain decode kernel. Returns the relative error."""
     g = torch.Generator().manual_seed(7)
     b = make_grouped_batch([(37, [2, 3, 5]), (16, [1, 4])], [90, 9, 60], hq, hkv, d, dtype, device, g)
     bs = b["q"].shape[0]
@@ -84,21 +84,14 @@ def lone_groups_against_plain(device: str, dtype: torch.dtype, hq: int, hkv: int
         scale,
         context,
     )
-    worst = 0.0
-    for one_launch in (False, True):
-        previous = kernels.configure(one_launch_decode=one_launch)
-        try:
-            o = torch.full_like(b["q"], float("nan"))
-            kernels.decode_attention_grouped(
-                b["q"], b["k_cache"], b["v_cache"], o, b["req_to_token"], b["req_pool_indices"], b["seq_lens"],
-                t.prefix_lens, t.prefix_rows, t.member_start, t.members, t.req_group, t.req_suffix_start, scale,
-                context, t.max_prefix_len, t.max_group_size, prefix_splits=t.prefix_splits,
-                max_prefix_splits=t.max_prefix_splits, live_groups=t.live_groups,
-            )  # fmt: skip
-        finally:
-            kernels.configure(**previous)
-        worst = max(worst, rel_err(o, plain))
-    return worst
+    o = torch.full_like(b["q"], float("nan"))
+    kernels.decode_attention_grouped(
+        b["q"], b["k_cache"], b["v_cache"], o, b["req_to_token"], b["req_pool_indices"], b["seq_lens"],
+        t.prefix_lens, t.prefix_rows, t.member_start, t.members, t.req_group, t.req_suffix_start, scale,
+        context, t.max_prefix_len, t.max_group_size, prefix_splits=t.prefix_splits,
+        max_prefix_splits=t.max_prefix_splits, live_groups=t.live_groups,
+    )  # fmt: skip
+    return rel_err(o, plain)
 
 
 def test_lone_groups_give_the_plain_attention_on_the_cpu():

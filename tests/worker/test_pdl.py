@@ -36,7 +36,6 @@ def test_decode_steps_compute_the_same_with_pdl_on_and_off():
     model, cfg = kpl.build_model("qwen3-0.6b", num_layers=2)
     previous = dict(kernels.OPTIONS)
     try:
-        kernels.configure(one_launch_decode=0)
         for batch in ("bs1", "W1"):
             requests, shared, own = kpl.BATCHES[batch]
             ctx, ids, positions = kpl.decode_step(model, cfg, requests, shared, own)
