@@ -101,7 +101,7 @@ def measure(label, run, bytes_by_kernel, layers, copy_bw):
     for name, (seconds, calls) in kernel_times(graph.replay).items():
         must = bytes_by_kernel.get(name)
         per_layer_calls = calls / len(layers)
-        # A kernel launched twice a layer (the two-launch path) reads its bytes over both calls.
+        # A kernel launched more than once a layer reads its bytes over all of its calls.
         share = must(layers[0]) / (seconds * per_layer_calls) / copy_bw if must else None
         kernels[name] = (seconds, per_layer_calls, share)
     return per_layer, kernels  # the graph and its outputs are freed here, with the frame

@@ -109,7 +109,7 @@ def test_triton_kernels_match_plain_decode_in_interpreter():
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
     assert "ALL PASS" in child.stdout
     assert "shared_prefix_attention: ragged" in child.stdout  # the split path's own cases ran, not none
-    assert child.stdout.count(" ok\n") >= 12  # every case ran
+    assert child.stdout.count(" ok\n") >= 15  # every case ran (15 at this writing)
 
 
 @pytest.mark.gpu
