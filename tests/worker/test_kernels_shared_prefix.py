@@ -8,8 +8,6 @@ checks and times them on the GPU (bench/shared_prefix_kernel_bench.py --interpre
 import importlib.util
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -94,22 +92,12 @@ def test_dispatch_reaches_twin_on_cpu_and_matches():
 
 @pytest.mark.server
 def test_triton_kernels_match_plain_decode_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1", RADIXSERVE_KERNEL_BACKEND="triton")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    seed = str(random.randrange(1 << 16))
-    child = subprocess.run(
-        [sys.executable, BENCH_SCRIPT, "--interpret", "--seed", seed],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    print(child.stdout[-4000:], child.stderr[-4000:])
-    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-4000:]
-    assert "ALL PASS" in child.stdout
-    assert "shared_prefix_attention: ragged" in child.stdout  # the split path's own cases ran, not none
-    assert child.stdout.count(" ok\n") >= 15  # every case ran (15 at this writing)
+    from interpreter_child import run_interpreted  # tests/helpers (conftest.py)
+
+    stdout = run_interpreted(BENCH_SCRIPT, "--interpret", "--seed", str(random.randrange(1 << 16)))
+    assert "ALL PASS" in stdout
+    assert "shared_prefix_attention: ragged" in stdout  # the split path's own cases ran, not none
+    assert stdout.count(" ok\n") >= 15  # every case ran (15 at this writing)
 
 
 @pytest.mark.gpu
