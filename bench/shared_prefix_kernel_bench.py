@@ -218,6 +218,9 @@ def main():
                 dict(num_suffix_splits=3, num_prefix_splits=4),
                 dict(num_suffix_splits=1, num_prefix_splits=3, fuse_merge=False),
                 dict(num_suffix_splits=1, num_prefix_splits=8, prefix_splits=three_slices),
+                # Every slice of the grid's 8 live (where the prefix has that many tiles): the fused fold's loop
+                # past its unrolled slices (shared_prefix_attention.FOLD_UNROLL_SLICES).
+                dict(num_suffix_splits=1, num_prefix_splits=8),
             ],
         }
         print(f"{'dtype':<9} {'shape':<15} {'case':<70} {'vs plain':>10} {'vs ref':>10} {'tol':>8}")

@@ -83,7 +83,7 @@ def _suffix_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PREFIX_BLOCK_N: tl.constexpr,
-    MAX_PREFIX_SPLITS: tl.constexpr,
+    FOLD_UNROLL: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # triton_attention's decode split kernel, shifted to start at the request's own tokens.
@@ -152,12 +152,13 @@ def _suffix_split_kernel(
 
     if fused != 0:
         # The prefix kernel skipped the slices that start past the prefix; so do these loops. The first is unrolled
-        # to the most slices a serving step has, masked past the live ones, so that the slices' loads, independent
-        # of each other, issue together instead of one round trip per slice; the second takes any beyond.
+        # to FOLD_UNROLL slices (shared_prefix_attention.FOLD_UNROLL_SLICES), masked past the live ones, so that the
+        # slices' loads, independent of each other, issue together instead of one round trip per slice; the second
+        # takes any beyond.
         _, live_slices = prefix_slicing(first, step_prefix_splits, prefix_splits, PREFIX_BLOCK_N)
         lse_row = Mid_lse + req * stride_mlb + heads * stride_mlh
         part_rows = Mid_o + req * stride_mob + heads[:, None] * stride_moh + dims[None, :]
-        for s in tl.static_range(MAX_PREFIX_SPLITS):
+        for s in tl.static_range(FOLD_UNROLL):
             m_i, l_i, acc = _fold_slice(
                 m_i,
                 l_i,
@@ -169,7 +170,7 @@ def _suffix_split_kernel(
                 head_ok & (tl.full([BLOCK_H], s, tl.int32) < live_slices),
                 dim_ok,
             )
-        for s in range(MAX_PREFIX_SPLITS, live_slices):
+        for s in range(FOLD_UNROLL, live_slices):
             m_i, l_i, acc = _fold_slice(m_i, l_i, acc, lse_row, part_rows, s, stride_mos, head_ok, dim_ok)
         out = (acc / l_i[:, None]).to(O.dtype.element_ty)
         tl.store(
