@@ -86,10 +86,10 @@ PARTIALS_16BIT = "input"  # or "float32"
 # prefix measured best on both W1 (1,024 tokens) and gsp (2,048) with 8 groups.
 PREFIX_SPLITS = {"programs_per_sm": 2, "min_split_tokens": 256, "max_splits": 8}
 # How many prefix slices the fused suffix kernel folds in one unrolled, masked pass (the rest in a loop): W1 steps
-# have 4 slices, gsp's 2. The full 8 (max_splits) held registers and issue slots for masked slices in every program:
-# a fold of 4.3 us a program, timed per program in the decode step. In the whole decode step on an H200 (CUDA graph,
-# rounds alternating, bench/results/session26-h200.md), 2 against 8: Qwen3-0.6B W1 -1.8%, gsp -4.0%; Qwen3-8B W1
-# -0.7%, gsp -1.9%. 4 times as 2 on W1 and 0.5-1.1% slower on gsp.
+# have 4 slices, gsp's 2. The full 8 (max_splits) issued every slice's loads and arithmetic, masked or not, in every
+# program (the same registers, compiled offline): a fold of 4.3 us a program, timed per program in the decode step.
+# In the whole decode step on an H200 (CUDA graph, rounds alternating, bench/results/session26-h200.md), 2 against 8:
+# Qwen3-0.6B W1 -1.8%, gsp -4.0%; Qwen3-8B W1 -0.7%, gsp -1.9%. 4 times as 2 on W1 and 0.5-1.1% slower on gsp.
 FOLD_UNROLL_SLICES = 2
 
 
@@ -204,9 +204,9 @@ def decode_attention_grouped(
     qk_scale = sm_scale * LOG2E
 
     # The prefix goes first: a fused suffix kernel reads its slices. With PDL the suffix kernel may start beside it
-    # and waits for it only after the request's own tokens (triton_common.wait_for_prior_kernel). In a decode step it
-    # does not start early (the prefix kernel's programs fill each SM's registers: bench/results/session26-h200.md),
-    # but PDL on its launch still measures faster.
+    # and waits for it only after the request's own tokens (triton_common.wait_for_prior_kernel). Timed per program in
+    # a decode step it does not start early, for a reason not yet found (bench/results/session26-h200.md), but PDL on
+    # its launch still measures faster.
     pdl = pdl_args(q.device, "attention")
     recordable(_prefix_kernel)[(prefix_programs(items_bound, q.device) if live_only else items_bound,)](
         q,
