@@ -180,6 +180,30 @@ class Checker(ProjectionChecks):
             1e-30,
         )
 
+    def step_inputs(self, n, ring, g, write_table):
+        """kernels.step_input_ids: placeholders and real ids mixed, and (write_table) a decode's new slots written
+        into a table whose other entries must stay as they were."""
+        torch = self.torch
+        from kernels import triton_step_inputs
+
+        future = torch.randint(0, 50_000, (ring,), generator=g).to(self.device)
+        real = torch.randint(0, 50_000, (n,), generator=g)
+        ring_index = torch.randint(0, ring, (n,), generator=g)
+        ids = torch.where(torch.rand(n, generator=g) < 0.5, -(ring_index + 1), real).to(self.device)
+        if write_table:
+            table = torch.randint(0, 1000, (n + 3, 64), generator=g, dtype=torch.int32).to(self.device)
+            rows = torch.randperm(n + 3, generator=g)[:n].to(self.device, torch.int32)
+            positions = torch.randint(0, 64, (n,), generator=g).to(self.device)
+            slots = torch.randint(0, 1 << 20, (n,), generator=g, dtype=torch.int32).to(self.device)
+            expect_table = table.clone()
+            expect = self.ref.step_input_ids(ids, future, (expect_table, rows, positions, slots))
+            got = triton_step_inputs.step_input_ids(ids, future, (table, rows, positions, slots))
+            same = torch.equal(got, expect) and torch.equal(table, expect_table)
+        else:
+            same = torch.equal(triton_step_inputs.step_input_ids(ids, future), self.ref.step_input_ids(ids, future))
+        case = "placeholders + table write" if write_table else "placeholders"
+        self.record("step_inputs", torch.int64, f"N{n} ring{ring}", case, 0.0 if same else float("inf"), 1e-30)
+
     def elementwise(self, dtype, tokens, hidden, hq, hkv, d, rotary_dim, inter, g, ew):
         torch = self.torch
         tol = ELEMENTWISE_TOLERANCE[str(dtype).replace("torch.", "")]

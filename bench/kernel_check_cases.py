@@ -39,6 +39,8 @@ def run_small(check, torch, g, ew):
     for index_dtype in (torch.int32, torch.int64):
         check.store_kv(torch.float32, 13, 2, 32, g, index_dtype)
     check.store_kv(torch.float16, 5, 4, 64, g, torch.int32)
+    for write_table in (False, True):
+        check.step_inputs(300, 40, g, write_table)  # three programs, the last one partly masked
     for dtype in (torch.float32, torch.float16):
         check.elementwise(dtype, 7, 96, 4, 2, 32, 32, 80, g, ew)
         check.elementwise(dtype, 3, 64, 2, 1, 64, 32, 33, g, ew)
@@ -101,6 +103,8 @@ def run_full(check, torch, g, ew):
     for index_dtype in (torch.int32, torch.int64):
         check.store_kv(torch.bfloat16, 4100, 8, 128, g, index_dtype)
     check.store_kv(torch.float32, 333, 2, 64, g, torch.int32)
+    for n, write_table in ((1, True), (256, True), (1000, False)):
+        check.step_inputs(n, 1024, g, write_table)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         check.elementwise(dtype, 4100, 4096, 32, 8, 128, 128, 12288, g, ew)
         check.elementwise(dtype, 333, 896, 14, 2, 64, 32, 4864, g, ew)

@@ -232,6 +232,7 @@ class KernelVariants:
             triton_mlp,
             triton_qkv,
             triton_skinny_linear,
+            triton_step_inputs,
         )
 
         def skinny_twin(x, weight, squares=None, eps=0.0, residual=None):
@@ -265,6 +266,7 @@ class KernelVariants:
         self._set(kernels, "_attention_impl", lambda t: Shadow(triton_attention))
         self._set(kernels, "_elementwise_impl", lambda t: Shadow(triton_elementwise))
         self._set(kernels, "_shared_prefix_impl", lambda t: Shadow(shared_prefix_attention))
+        self._set(kernels, "_step_inputs_impl", lambda t: Shadow(triton_step_inputs))
         fused = type(
             "Fused",
             (),

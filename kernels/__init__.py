@@ -23,8 +23,10 @@ qkv_in_decode_max_rows (a decode step of up to this many requests does its Q/K n
 decode kernel, not a kernel of their own: decode_attention's pending; 0: never) and prefix_live_items (the shared-prefix
 kernel's programs walk the live groups' work items only; off: one program per item of the padded table:
 shared_prefix_attention.decode_attention_grouped) and attention_launch_replay (the layers after the first of an eager
-step's piecewise-graph attention replay its launches: kernels/launch_replay.py). The torch twins compute the same
-whatever the options.
+step's piecewise-graph attention replay its launches: kernels/launch_replay.py) and fused_step_inputs (a step's input
+ids resolved from the overlapped loop's placeholders, and a decode graph's new slots written into req_to_token, by one
+kernel instead of ten small torch ones: kernels/triton_step_inputs.py). The torch twins compute the same whatever the
+options.
 """
 
 import os
@@ -70,6 +72,7 @@ OPTIONS = {
     "qkv_in_decode_max_rows": 16,
     "prefix_live_items": True,
     "attention_launch_replay": True,
+    "fused_step_inputs": True,
 }
 
 
@@ -121,6 +124,24 @@ def _elementwise_impl(tensor):
 def store_kv(k, v, k_cache, v_cache, out_cache_loc):
     """k_cache[out_cache_loc[i]] = k[i] (and v). k, v: [N, Hkv, D]; caches: [num_slots, Hkv, D]."""
     _attention_impl(k).store_kv(k, v, k_cache, v_cache, out_cache_loc)
+
+
+def step_input_ids(input_ids, future_tokens, table_write=None):
+    """input_ids (int64 [N]) with each placeholder -(i + 1) (a token of the step still in flight: the overlapped
+    scheduler's) replaced by future_tokens[i], as a new tensor. table_write (req_to_token, req_pool_indices, positions,
+    out_cache_loc; [N] each): also req_to_token[req_pool_indices[j], positions[j]] = out_cache_loc[j], a decode step's
+    new slots. One kernel on the GPU (OPTIONS["fused_step_inputs"]), else its torch twin."""
+    impl = _step_inputs_impl(input_ids) if OPTIONS["fused_step_inputs"] else reference
+    return impl.step_input_ids(input_ids, future_tokens, table_write)
+
+
+def _step_inputs_impl(tensor):
+    """The module of step_input_ids' kernel, or the twin's (a seam for bench/kernel_variant_keys.py)."""
+    if _use_reference(tensor):
+        return reference
+    from kernels import triton_step_inputs
+
+    return triton_step_inputs
 
 
 def extend_attention(

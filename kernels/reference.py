@@ -18,6 +18,14 @@ def store_kv(k, v, k_cache, v_cache, out_cache_loc):
     v_cache[loc] = v.to(v_cache.dtype)
 
 
+def step_input_ids(input_ids, future_tokens, table_write=None):
+    ids = torch.where(input_ids < 0, future_tokens[(-input_ids - 1).clamp(min=0)], input_ids)
+    if table_write is not None:
+        table, rows, positions, slots = table_write
+        table[rows.long(), positions.long()] = slots.to(table.dtype)
+    return ids
+
+
 def _attend(q, k, v, sm_scale, prefix_len):
     """One request: q [M, Hq, D] over k/v [L, Hkv, D], where query row j sees keys 0..prefix_len+j.
 

@@ -147,11 +147,9 @@ class DecodeCudaGraphs:
     def _run(self, bs: int) -> torch.Tensor:
         """The captured step: placeholders resolved, req_to_token written (a decode's token goes at position
         seq_len - 1 of its row; padding rows write row 0, which is reserved), the model, the LM head."""
-        ids = self.input_ids[:bs]
-        ids = torch.where(ids < 0, self.future_tokens[(-ids - 1).clamp(min=0)], ids)
         positions = self.positions[:bs]
-        flat = self.req_pool_indices[:bs].long() * self.req_to_token.stride(0) + positions
-        self.req_to_token.view(-1)[flat] = self.out_cache_loc[:bs]
+        table_write = (self.req_to_token, self.req_pool_indices[:bs], positions, self.out_cache_loc[:bs])
+        ids = kernels.step_input_ids(self.input_ids[:bs], self.future_tokens, table_write)  # one kernel
         hidden = self.model(ids, positions)
         return self.model.compute_logits(hidden)
 

@@ -25,6 +25,7 @@ import math
 import numpy as np
 import torch
 
+import kernels
 from radixserve.forward_context import ForwardContext, set_forward_context
 from radixserve.protocol import ForwardBatch, unpack_i32
 from radixserve.worker.layer_ring import LayerRing, host_runs
@@ -107,7 +108,7 @@ class LayerwiseOffload:
     def _input_ids(self, host_ids: np.ndarray) -> torch.Tensor:
         ids = torch.from_numpy(host_ids.astype(np.int64)).to(self.device)
         if (host_ids < 0).any():  # placeholders of tokens the step before sampled (the overlapped loop)
-            ids = torch.where(ids < 0, self.runner.future_tokens[(-ids - 1).clamp_(min=0)], ids)
+            ids = kernels.step_input_ids(ids, self.runner.future_tokens)
         return ids
 
     def before_host_tier_copies(self) -> None:

@@ -238,7 +238,7 @@ class ModelRunner:
         )
         if (host_input_ids < 0).any():
             # Placeholders (-(index + 1)) of tokens the previous step sampled: resolved here, with no host sync.
-            input_ids = torch.where(input_ids < 0, self.future_tokens[(-input_ids - 1).clamp_(min=0)], input_ids)
+            input_ids = kernels.step_input_ids(input_ids, self.future_tokens)
         # Every position the kernels read goes through one table, written here (or in a decode graph) only.
         self.req_to_token_pool.write(table_index_t, table_slots_t, copy_rows_t, writes.copies)
         ctx = ForwardContext(

@@ -133,3 +133,26 @@ def test_model_step_on_the_cpu_is_unchanged(arch, dtype, monkeypatch):
     old, old_caches = logits()
     assert torch.equal(new, old)
     assert all(torch.equal(a, b) for a, b in zip(new_caches, old_caches))
+
+
+def test_step_inputs_twin_is_the_old_sequence():
+    """kernels.step_input_ids replaced the decode graph's placeholder resolution and req_to_token write (and the eager
+    steps' resolution); its twin does what those lines did."""
+    g = torch.Generator().manual_seed(3)
+    n, ring = 37, 11
+    future = torch.randint(0, 1000, (ring,), generator=g)
+    ids = torch.where(torch.rand(n, generator=g) < 0.5, -(torch.randint(0, ring, (n,), generator=g) + 1), 5)
+    table = torch.randint(0, 99, (n + 2, 16), generator=g, dtype=torch.int32)
+    rows = torch.randperm(n + 2, generator=g)[:n].to(torch.int32)
+    positions = torch.randint(0, 16, (n,), generator=g)
+    slots = torch.randint(100, 200, (n,), generator=g, dtype=torch.int32)
+
+    # As the decode graph ran it before (cuda_graph._run).
+    old_ids = torch.where(ids < 0, future[(-ids - 1).clamp(min=0)], ids)
+    old_table = table.clone()
+    old_table.view(-1)[rows.long() * old_table.stride(0) + positions] = slots
+
+    new_table = table.clone()
+    assert torch.equal(kernels.step_input_ids(ids, future, (new_table, rows, positions, slots)), old_ids)
+    assert torch.equal(new_table, old_table) and not torch.equal(new_table, table)
+    assert torch.equal(reference.step_input_ids(ids, future), old_ids) and (old_ids >= 0).all()

@@ -52,6 +52,7 @@ def test_triton_kernels_match_reference_in_interpreter():
         "extend_attention",
         "decode_attention",
         "store_kv",
+        "step_inputs",
         "rmsnorm",
         "rope",
         "silu_and_mul",
