@@ -99,9 +99,9 @@ _options_from_env(os.environ.get("RADIXSERVE_KERNEL_OPTIONS", ""))
 def _triton():
     global _triton_modules
     if _triton_modules is None:
-        from kernels import triton_attention, triton_elementwise
+        from kernels import triton_attention, triton_elementwise, triton_step_inputs
 
-        _triton_modules = (triton_attention, triton_elementwise)
+        _triton_modules = (triton_attention, triton_elementwise, triton_step_inputs)
     return _triton_modules
 
 
@@ -127,21 +127,17 @@ def store_kv(k, v, k_cache, v_cache, out_cache_loc):
 
 
 def step_input_ids(input_ids, future_tokens, table_write=None):
-    """input_ids (int64 [N]) with each placeholder -(i + 1) (a token of the step still in flight: the overlapped
-    scheduler's) replaced by future_tokens[i], as a new tensor. table_write (req_to_token, req_pool_indices, positions,
-    out_cache_loc; [N] each): also req_to_token[req_pool_indices[j], positions[j]] = out_cache_loc[j], a decode step's
-    new slots. One kernel on the GPU (OPTIONS["fused_step_inputs"]), else its torch twin."""
+    """A new tensor: input_ids (int64 [N]) with each placeholder -(i + 1), a token of the step in flight (the overlapped
+    scheduler's), replaced by future_tokens[i]. table_write (req_to_token, req_pool_indices, positions, out_cache_loc;
+    [N] each): also req_to_token[req_pool_indices[j], positions[j]] = out_cache_loc[j], a decode step's new slots. One
+    kernel on the GPU (OPTIONS["fused_step_inputs"]), else its torch twin."""
     impl = _step_inputs_impl(input_ids) if OPTIONS["fused_step_inputs"] else reference
     return impl.step_input_ids(input_ids, future_tokens, table_write)
 
 
 def _step_inputs_impl(tensor):
     """The module of step_input_ids' kernel, or the twin's (a seam for bench/kernel_variant_keys.py)."""
-    if _use_reference(tensor):
-        return reference
-    from kernels import triton_step_inputs
-
-    return triton_step_inputs
+    return reference if _use_reference(tensor) else _triton()[2]
 
 
 def extend_attention(
