@@ -203,10 +203,11 @@ def decode_attention_grouped(
     cache_strides = (k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1))
     qk_scale = sm_scale * LOG2E
 
-    # The prefix goes first: a fused suffix kernel reads its slices. With PDL the suffix kernel may start beside it
-    # and waits for it only after the request's own tokens (triton_common.wait_for_prior_kernel). Timed per program in
-    # a decode step it does not start early, for a reason not yet found (bench/results/session26-h200.md), but PDL on
-    # its launch still measures faster.
+    # The prefix goes first: a fused suffix kernel reads its slices. With PDL the suffix kernel starts beside it and
+    # waits for it only after the request's own tokens (triton_common.wait_for_prior_kernel). Timed per program in a
+    # Qwen3-0.6B decode step on an H200, most suffix programs start before the prefix kernel's last one ends (W1 88%,
+    # gsp 50%), and this launch without PDL makes the step 8.1% (W1) and 4.4% (gsp) slower
+    # (bench/results/session27-h200.md).
     pdl = pdl_args(q.device, "attention")
     recordable(_prefix_kernel)[(prefix_programs(items_bound, q.device) if live_only else items_bound,)](
         q,
