@@ -8,6 +8,9 @@ under TRITON_INTERPRET=1 the Triton kernels do, for a model step and through the
 are held to the unfolded model with its norms apart, in fp32; on a GPU, the engine's greedy tokens.
 """
 
+import json
+import sys
+
 import pytest
 from greedy_tokens import greedy_token_ids
 import torch
@@ -134,10 +137,13 @@ def test_gpu_greedy_outputs_are_the_same_with_the_norms_in_the_projections():
     assert _engine_greedy(True, "cuda", 12, 16, **graphs) == _engine_greedy(False, "cuda", 12, 16, **graphs)
 
 
-def interpreter_check() -> None:
-    """In a child with TRITON_INTERPRET=1: the Triton kernels' decode step with the norms in the projections against
-    the unfolded model's on the torch twins, for each architecture and a batch within and past a skinny tile."""
-    for arch in ARCHS:
+def interpreter_check(mode: str) -> None:
+    """In a child with TRITON_INTERPRET=1: greedy tokens through the scheduler (InProcessEngine: admission, chunked
+    prefill, decode batches) with the norms in the projections (mode "on") or apart ("off"), printed for the test to
+    compare, the two modes being two children side by side. Each child also checks half the architectures' decode
+    step with the norms in the projections on the Triton kernels against the unfolded model's on the torch twins, for
+    a batch within and past a skinny tile."""
+    for arch in list(ARCHS)[mode == "off" :: 2]:
         for requests in (3, 16):
             kernels.set_backend("reference")
             model, cfg = _model(arch)
@@ -149,24 +155,25 @@ def interpreter_check() -> None:
             err = _rel(got, want)
             print(f"{arch} {requests} requests: norms in the projections vs apart, rel err {err:.2e}", flush=True)
             assert err < 1e-4, (arch, requests, err)
-    # Through the scheduler (InProcessEngine: admission, chunked prefill, decode batches), in the same child.
-    a, b = (
-        _engine_greedy(True, "cpu", 4, 4, kernel_backend="triton"),
-        _engine_greedy(False, "cpu", 4, 4, kernel_backend="triton"),
-    )
-    print(f"engine, greedy tokens the same: {a == b}", flush=True)
-    assert a == b
-    print("norms in projections: ok")
+    tokens = _engine_greedy(mode == "on", "cpu", 4, 4, kernel_backend="triton")
+    print(f"engine greedy tokens: {json.dumps(tokens)}", flush=True)
+
+
+def _printed_tokens(stdout: str):
+    line = next(line for line in stdout.splitlines() if line.startswith("engine greedy tokens: "))
+    return json.loads(line.split(": ", 1)[1])
 
 
 @pytest.mark.server
 def test_norms_in_the_projections_in_interpreter():
-    from interpreter_child import run_interpreted  # tests/helpers (conftest.py); not in the child itself
+    from interpreter_child import run_interpreted_together  # tests/helpers (conftest.py); not in the child itself
 
-    stdout = run_interpreted(__file__)
-    assert stdout.count(" requests: norms in the projections") == 6 and "norms in projections: ok" in stdout
-    assert "engine, greedy tokens the same: True" in stdout
+    on, off = run_interpreted_together(__file__, [["on"], ["off"]])
+    assert (on + off).count(" requests: norms in the projections") == 2 * len(ARCHS)
+    tokens = _printed_tokens(on)
+    assert len(tokens) == 4 and all(len(t) == 4 for t in tokens), tokens
+    assert tokens == _printed_tokens(off)
 
 
 if __name__ == "__main__":
-    interpreter_check()
+    interpreter_check(sys.argv[1])

@@ -3,6 +3,9 @@ OPTIONS["qkv_in_decode_max_rows"]) against their own kernel first: which steps l
 tokens through the scheduler under TRITON_INTERPRET=1 (in CI) and on the GPU (gpu-marked). The kernel against its twin
 is bench/kernel_check_cases.py's decode_prepared cases (tests/worker/test_kernels_triton.py runs them)."""
 
+import json
+import sys
+
 import pytest
 from greedy_tokens import greedy_token_ids
 import torch
@@ -105,21 +108,29 @@ def test_gpu_greedy_outputs_are_the_same_with_the_qkv_prep_in_the_decode_kernel(
     assert _engine_greedy(True, "cuda", arch, 12, 16, **graphs) == _engine_greedy(False, "cuda", arch, 12, 16, **graphs)
 
 
-def interpreter_check() -> None:
+def interpreter_check(mode: str) -> None:
+    """In a child with TRITON_INTERPRET=1: greedy tokens with the Q/K/V prep in the decode kernel (mode "on") or in
+    its own kernel ("off"), printed for the test to compare (the two modes run as two children side by side)."""
     for arch in ("qwen3", "llama"):  # Q/K norms and none; llama3 RoPE scaling
-        a = _engine_greedy(True, "cpu", arch, 3, 4, kernel_backend="triton", max_running_requests=4)
-        b = _engine_greedy(False, "cpu", arch, 3, 4, kernel_backend="triton", max_running_requests=4)
-        print(f"{arch}: greedy tokens the same with the Q/K/V prep in the decode kernel: {a == b}", flush=True)
-        assert a == b
+        tokens = _engine_greedy(mode == "on", "cpu", arch, 3, 4, kernel_backend="triton", max_running_requests=4)
+        print(f"{arch} greedy tokens: {json.dumps(tokens)}", flush=True)
+
+
+def _printed_tokens(stdout: str, arch: str):
+    line = next(line for line in stdout.splitlines() if line.startswith(f"{arch} greedy tokens: "))
+    return json.loads(line.split(": ", 1)[1])
 
 
 @pytest.mark.server
 def test_greedy_outputs_are_the_same_with_the_qkv_prep_in_the_decode_kernel_in_interpreter():
-    from interpreter_child import run_interpreted  # tests/helpers (conftest.py); not in the child itself
+    from interpreter_child import run_interpreted_together  # tests/helpers (conftest.py); not in the child itself
 
-    stdout = run_interpreted(__file__)
-    assert stdout.count("in the decode kernel: True") == 2
+    on, off = run_interpreted_together(__file__, [["on"], ["off"]])
+    for arch in ("qwen3", "llama"):
+        tokens = _printed_tokens(on, arch)
+        assert len(tokens) == 3 and all(len(t) == 4 for t in tokens), tokens
+        assert tokens == _printed_tokens(off, arch), arch
 
 
 if __name__ == "__main__":
-    interpreter_check()
+    interpreter_check(sys.argv[1])
