@@ -1,6 +1,7 @@
 """A test module's own checks run as a child process under TRITON_INTERPRET=1 (Triton reads the variable when it is
 imported, so the suite's process keeps a normal triton): the module's file is the child's script."""
 
+import json
 import os
 import subprocess
 import sys
@@ -46,3 +47,9 @@ def run_interpreted(script: str, *args: str, timeout: int = 300) -> str:
     """Runs `script` (a test module's path, whose __main__ runs its checks, or a bench script) with args and the Triton
     kernels interpreted on the CPU; returns its stdout once it exits 0, else fails with the tails of both streams."""
     return run_interpreted_together(script, [args], timeout)[0]
+
+
+def printed_json(stdout: str, label: str):
+    """The value a child printed as `label: <JSON>` on a line of its own (the first such line)."""
+    line = next(line for line in stdout.splitlines() if line.startswith(f"{label}: "))
+    return json.loads(line[len(label) + 2 :])

@@ -159,20 +159,15 @@ def interpreter_check(mode: str) -> None:
     print(f"engine greedy tokens: {json.dumps(tokens)}", flush=True)
 
 
-def _printed_tokens(stdout: str):
-    line = next(line for line in stdout.splitlines() if line.startswith("engine greedy tokens: "))
-    return json.loads(line.split(": ", 1)[1])
-
-
 @pytest.mark.server
 def test_norms_in_the_projections_in_interpreter():
-    from interpreter_child import run_interpreted_together  # tests/helpers (conftest.py); not in the child itself
+    from interpreter_child import printed_json, run_interpreted_together  # tests/helpers; not in the child itself
 
     on, off = run_interpreted_together(__file__, [["on"], ["off"]])
     assert (on + off).count(" requests: norms in the projections") == 2 * len(ARCHS)
-    tokens = _printed_tokens(on)
+    tokens = printed_json(on, "engine greedy tokens")
     assert len(tokens) == 4 and all(len(t) == 4 for t in tokens), tokens
-    assert tokens == _printed_tokens(off)
+    assert tokens == printed_json(off, "engine greedy tokens")
 
 
 if __name__ == "__main__":

@@ -116,20 +116,15 @@ def interpreter_check(mode: str) -> None:
         print(f"{arch} greedy tokens: {json.dumps(tokens)}", flush=True)
 
 
-def _printed_tokens(stdout: str, arch: str):
-    line = next(line for line in stdout.splitlines() if line.startswith(f"{arch} greedy tokens: "))
-    return json.loads(line.split(": ", 1)[1])
-
-
 @pytest.mark.server
 def test_greedy_outputs_are_the_same_with_the_qkv_prep_in_the_decode_kernel_in_interpreter():
-    from interpreter_child import run_interpreted_together  # tests/helpers (conftest.py); not in the child itself
+    from interpreter_child import printed_json, run_interpreted_together  # tests/helpers; not in the child itself
 
     on, off = run_interpreted_together(__file__, [["on"], ["off"]])
     for arch in ("qwen3", "llama"):
-        tokens = _printed_tokens(on, arch)
+        tokens = printed_json(on, f"{arch} greedy tokens")
         assert len(tokens) == 3 and all(len(t) == 4 for t in tokens), tokens
-        assert tokens == _printed_tokens(off, arch), arch
+        assert tokens == printed_json(off, f"{arch} greedy tokens"), arch
 
 
 if __name__ == "__main__":
